@@ -1,0 +1,653 @@
+"""The Coordinator: the public asyncio API of one node in one pool."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, replace
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from coordinator.connection import connect_redis
+from coordinator.errors import (
+    CoordinationUnavailableError,
+    EpochFencedError,
+    InvalidArgumentError,
+    NoInstanceError,
+    PoolFullError,
+    UnknownInstanceError,
+    from_response_error,
+)
+from coordinator.keys import ID_RE, POOL_NAME_RE, PoolKeys
+from coordinator.models import HINT_NAMES, InstanceLoad, InstanceRow, InstanceSpec, Reservation
+from coordinator.pressure import instance_load
+from coordinator.scripts import Scripts
+from coordinator.settings import STRATEGIES, Settings
+from coordinator.snapshot import PoolCache, Snapshot
+from coordinator.strategies import Ranking, RoundRobin, eligible, rank
+
+log = logging.getLogger(__name__)
+
+UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
+MAX_TOKENS = 10_000_000
+
+
+@dataclass(slots=True)
+class LocalReservation:
+    """This node's own view of a live reservation; re-asserted after Redis returns."""
+
+    rid: str
+    instance_id: str
+    epoch: int
+    phase: str
+    prompt_tokens: int
+    expected_output_tokens: int
+    prefill_ms: int
+    decode_ms: int
+    in_redis: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterResult:
+    """What a registration did."""
+
+    instance_id: str
+    epoch: int
+    status: str  # new | updated | restarted | local (degraded)
+    voided_reservations: int
+
+
+@dataclass
+class Stats:
+    """Counters a node exports as metrics."""
+
+    reaped: int = 0
+    degraded_entries: int = 0
+    reserve_retries: int = 0
+    forced_reserves: int = 0
+    queue_waiting: int = 0
+
+
+class Coordinator:
+    """One node's handle on one pool: registry, snapshot, reservations, lease."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        pool: str,
+        node_id: str | None = None,
+        settings: Settings | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if not isinstance(pool, str) or not POOL_NAME_RE.match(pool):
+            raise InvalidArgumentError(
+                f"pool name {pool!r} must match {POOL_NAME_RE.pattern} (no braces)"
+            )
+        node_id = node_id or f"node-{uuid.uuid4().hex[:12]}"
+        if not ID_RE.match(node_id):
+            raise InvalidArgumentError(f"node id {node_id!r} must match {ID_RE.pattern}")
+        self.redis = redis
+        self.pool = pool
+        self.node_id = node_id
+        self.settings = settings or Settings()
+        self.keys = PoolKeys(self.settings.key_prefix, pool)
+        self.scripts = Scripts.register(redis)
+        self.stats = Stats()
+        self._columns = self.keys.columns
+        self._node_rids = self.keys.node_rids(node_id)
+        self._cache = PoolCache()
+        self._rr = RoundRobin()
+        self._rng = random.Random(seed)
+        self._local: dict[str, LocalReservation] = {}
+        self._pending_releases: set[str] = set()
+        self._picks: dict[str, int] = {}  # first candidates of reserve calls in flight
+        self._registered: dict[str, InstanceSpec] = {}
+        self._degraded = False
+        self._alive_when_degraded: set[str] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._recovery: asyncio.Task[None] | None = None
+        self.on_reaped: Callable[[int], None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def connect(
+        cls,
+        redis_url: str,
+        pool: str = "default",
+        node_id: str | None = None,
+        settings: Settings | None = None,
+        *,
+        background: bool = True,
+    ) -> Coordinator:
+        """Connect to Redis and start the lease/reaper task (degraded if Redis is down)."""
+        settings = settings or Settings.from_env()
+        coordinator = cls(
+            connect_redis(redis_url, settings), pool=pool, node_id=node_id, settings=settings
+        )
+        with suppress(CoordinationUnavailableError):
+            await coordinator.renew_lease()
+            await coordinator.refresh()
+        if background:
+            coordinator.start_background()
+        return coordinator
+
+    def start_background(self) -> None:
+        """Start the lease renewal and reaper loop."""
+        if not self._tasks:
+            self._tasks.append(asyncio.create_task(self._lease_loop(), name="coordinator-lease"))
+
+    async def close(self) -> None:
+        """Stop background tasks and close the Redis client (reservations stay until released)."""
+        tasks = [*self._tasks, *([self._recovery] if self._recovery else [])]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        self._recovery = None
+        await self.redis.aclose()
+
+    @property
+    def coordination(self) -> str:
+        """`ok` while Redis answers, `degraded` while the node runs on local state."""
+        return "degraded" if self._degraded else "ok"
+
+    @property
+    def local_reservations(self) -> dict[str, LocalReservation]:
+        """This node's live reservations (read-only use)."""
+        return self._local
+
+    # ------------------------------------------------------------------ redis calls
+
+    async def _call(self, name: str, args: list[Any], extra_keys: tuple[str, ...] = ()) -> Any:
+        """Run one script; map its errors; a connection failure turns on degraded mode."""
+        if self._degraded:
+            raise CoordinationUnavailableError("coordination is degraded")
+        try:
+            return await self.scripts[name](keys=[*self._columns, *extra_keys], args=args)
+        except UNAVAILABLE as exc:
+            self._enter_degraded(exc)
+            raise CoordinationUnavailableError(str(exc)) from exc
+        except ResponseError as exc:
+            mapped = from_response_error(exc)
+            if mapped is None:
+                raise
+            raise mapped from exc
+
+    def _enter_degraded(self, cause: BaseException) -> None:
+        if self._degraded:
+            return
+        log.warning("redis unavailable (%s): coordination degraded", cause)
+        now = self._cache.estimated_now_ms()
+        ttl = self.settings.instance_ttl_ms
+        self._alive_when_degraded = {
+            iid for iid, row in self._cache.rows.items() if now - row.last_seen_ms <= ttl
+        }
+        self._degraded = True
+        self.stats.degraded_entries += 1
+        if self._recovery is None or self._recovery.done():
+            with suppress(RuntimeError):
+                self._recovery = asyncio.create_task(self._recover(), name="coordinator-recover")
+
+    # ------------------------------------------------------------------ registry
+
+    async def register_instance(self, spec: InstanceSpec) -> RegisterResult:
+        """Register or update an instance; a higher epoch voids older reservations."""
+        if not isinstance(spec, InstanceSpec):
+            raise InvalidArgumentError("register_instance expects an InstanceSpec")
+        self._registered[spec.id] = spec
+        try:
+            reply = await self._call(
+                "register", [spec.id, spec.to_json(), spec.max_slots, spec.epoch]
+            )
+        except CoordinationUnavailableError:
+            self._remember_locally(spec)
+            return RegisterResult(spec.id, spec.epoch or 1, "local", 0)
+        status, epoch, voided = str(reply[0]), int(reply[1]), int(reply[2])
+        self._registered[spec.id] = replace(spec, epoch=epoch)
+        if voided:
+            self._forget_instance_epochs(spec.id, epoch)
+        return RegisterResult(spec.id, epoch, status, voided)
+
+    def _remember_locally(self, spec: InstanceSpec) -> None:
+        """Degraded registration: make the instance selectable from local state."""
+        current = self._cache.rows.get(spec.id)
+        epoch = spec.epoch or (current.epoch if current else 1)
+        self._cache.rows[spec.id] = InstanceRow(
+            id=spec.id,
+            spec=spec,
+            epoch=epoch,
+            last_seen_ms=self._cache.estimated_now_ms(),
+            max_slots=spec.max_slots,
+            inflight=0,
+            pending_prefill=0,
+            active_decode=0,
+            prefill_free_at_ms=0,
+            earliest_end_at_ms=None,
+            version=current.version if current else 0,
+        )
+        self._alive_when_degraded.add(spec.id)
+
+    def _forget_instance_epochs(self, instance_id: str, epoch: int) -> None:
+        for rid, res in list(self._local.items()):
+            if res.instance_id == instance_id and res.epoch != epoch:
+                del self._local[rid]
+
+    async def heartbeat_instance(
+        self, instance_id: str, hints: dict[str, float] | None = None
+    ) -> int:
+        """Refresh liveness and store hints; raises UnknownInstanceError. Returns the epoch."""
+        hints = hints or {}
+        unknown = set(hints) - set(HINT_NAMES)
+        if unknown:
+            raise InvalidArgumentError(f"unknown hints {sorted(unknown)}; known: {HINT_NAMES}")
+        values = []
+        for name in HINT_NAMES:
+            value = hints.get(name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0
+            ):
+                raise InvalidArgumentError(f"hint {name} must be a number >= 0, got {value!r}")
+            values.append("" if value is None else repr(float(value)))
+        reply = await self._call("heartbeat", [instance_id, *values])
+        return int(reply[1])
+
+    async def unregister_instance(self, instance_id: str) -> int:
+        """Remove an instance; returns how many reservations were voided."""
+        self._registered.pop(instance_id, None)
+        reply = await self._call("unregister", [instance_id])
+        self._forget_instance_epochs(instance_id, -1)
+        return int(reply[1])
+
+    async def list_instances(self, include_dead: bool = False) -> list[InstanceLoad]:
+        """Registered instances with their pressure; dead ones only when asked."""
+        snap = await self.snapshot()
+        return [row for row in snap.rows if include_dead or row.alive]
+
+    # ------------------------------------------------------------------ snapshot
+
+    async def refresh(self) -> None:
+        """Pull the rows changed since the cached version (a full read the first time)."""
+        since, run_id = self._cache.since()
+        self._cache.apply(await self._call("snapshot", [since, run_id]))
+
+    async def snapshot(self) -> Snapshot:
+        """The pool's pressure at the current Redis time, exactly as selection sees it."""
+        if not self._degraded:
+            with suppress(CoordinationUnavailableError):
+                await self.refresh()
+        return self._current_snapshot()
+
+    def _current_snapshot(self, *, with_picks: bool = False) -> Snapshot:
+        """Score inputs from the cache (degraded: local counters, no predicted layer).
+
+        `with_picks` counts this node's reserve calls still in flight on their first
+        candidate, so concurrent decisions of one node do not all pick the same instance.
+        """
+        s = self.settings
+        if not self._degraded:
+            now = self._cache.now_ms
+            rows = []
+            for r in self._cache.rows.values():
+                extra = self._picks.get(r.id, 0) if with_picks else 0
+                if extra:
+                    r = replace(
+                        r, inflight=r.inflight + extra, pending_prefill=r.pending_prefill + extra
+                    )
+                rows.append(
+                    instance_load(
+                        r, now, instance_ttl_ms=s.instance_ttl_ms, hint_ttl_ms=s.hint_ttl_ms
+                    )
+                )
+            return Snapshot(now, self._cache.version, rows, "ok")
+        now = self._cache.estimated_now_ms()
+        counts: dict[str, list[int]] = {}
+        for res in self._local.values():
+            c = counts.setdefault(res.instance_id, [0, 0, 0])
+            c[0] += 1
+            c[1 if res.phase == "prefill" else 2] += 1
+        rows = []
+        for row in self._cache.rows.values():
+            c = counts.get(row.id, [0, 0, 0])
+            local = replace(row, inflight=c[0], pending_prefill=c[1], active_decode=c[2])
+            load = instance_load(
+                local,
+                now,
+                instance_ttl_ms=s.instance_ttl_ms,
+                hint_ttl_ms=s.hint_ttl_ms,
+                predicted=False,
+            )
+            rows.append(replace(load, alive=row.id in self._alive_when_degraded))
+        return Snapshot(now, self._cache.version, rows, "degraded")
+
+    def rank(self, snap: Snapshot, strategy: str | None = None) -> Ranking:
+        """Rank a snapshot's eligible rows with a strategy (default: the settings')."""
+        name = strategy or self.settings.strategy
+        if name not in STRATEGIES:
+            raise InvalidArgumentError(f"unknown strategy {name!r}; choose from {STRATEGIES}")
+        return rank(name, eligible(snap.rows), self.settings.weights, self._rr, self._rng)
+
+    # ------------------------------------------------------------------ reservations
+
+    async def reserve(
+        self,
+        prompt_tokens: int,
+        expected_output_tokens: int,
+        strategy: str | None = None,
+        *,
+        rid: str | None = None,
+    ) -> Reservation:
+        """Choose an instance and record the request on it (see DESIGN.md §4)."""
+        for name, value in (
+            ("prompt_tokens", prompt_tokens),
+            ("expected_output_tokens", expected_output_tokens),
+        ):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_TOKENS
+            ):
+                raise InvalidArgumentError(
+                    f"{name} must be an integer in 0..{MAX_TOKENS}, got {value!r}"
+                )
+        if rid is None:
+            rid = uuid.uuid4().hex
+        elif not ID_RE.match(rid):
+            raise InvalidArgumentError(f"rid {rid!r} must match {ID_RE.pattern}")
+        if strategy is not None and strategy not in STRATEGIES:
+            raise InvalidArgumentError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+        deadline = time.monotonic() + self.settings.queue_timeout_ms / 1000
+        while True:
+            try:
+                return await self._reserve_shared(
+                    rid, prompt_tokens, expected_output_tokens, strategy
+                )
+            except CoordinationUnavailableError:
+                return self._reserve_local(rid, prompt_tokens, expected_output_tokens, strategy)
+            except PoolFullError as full:
+                remaining = deadline - time.monotonic()
+                if self.settings.full_policy == "reject" or remaining <= 0:
+                    raise
+                wait = min(max(full.retry_after_ms, 5) / 1000, 0.05, remaining)
+                self.stats.queue_waiting += 1
+                try:
+                    await asyncio.sleep(wait)
+                finally:
+                    self.stats.queue_waiting -= 1
+
+    async def _reserve_shared(
+        self, rid: str, prompt: int, expected: int, strategy: str | None
+    ) -> Reservation:
+        s = self.settings
+        if self._degraded:
+            raise CoordinationUnavailableError("coordination is degraded")
+        if s.snapshot_max_age_ms == 0 or self._cache.age_ms() > s.snapshot_max_age_ms:
+            await self.refresh()
+        for attempt in range(s.reserve_retries + 1):
+            snap = self._current_snapshot(with_picks=True)
+            ranking = self.rank(snap, strategy)
+            candidates = ranking.ranked[: s.top_k]
+            if not candidates:
+                raise NoInstanceError("no alive instance in pool " + self.pool)
+            force = attempt == s.reserve_retries
+            args: list[Any] = [
+                rid,
+                self.node_id,
+                prompt,
+                expected,
+                int(force),
+                int(s.enforce_max_slots),
+                s.instance_ttl_ms,
+                *self._cache.since(),
+                len(candidates),
+            ]
+            for c in candidates:
+                args += [c.id, c.version, c.spec.prefill_ms(prompt), c.spec.decode_ms(expected)]
+            pick = candidates[0].id
+            self._picks[pick] = self._picks.get(pick, 0) + 1
+            try:
+                reply = await self._call("reserve", args, (self._node_rids,))
+            finally:
+                self._picks[pick] -= 1
+                if not self._picks[pick]:
+                    del self._picks[pick]
+            self._cache.apply(reply[-1])
+            status = str(reply[0])
+            if status in ("ok", "dup"):
+                if force:
+                    self.stats.forced_reserves += 1
+                return self._record(rid, reply, prompt, expected, ranking)
+            if status == "full":
+                raise PoolFullError(int(reply[1]))
+            self.stats.reserve_retries += 1
+        raise NoInstanceError("no alive instance accepted the reservation")
+
+    def _record(
+        self, rid: str, reply: list[Any], prompt: int, expected: int, ranking: Ranking
+    ) -> Reservation:
+        iid, epoch = str(reply[1]), int(reply[2])
+        ttft = None if reply[3] is None else int(reply[3])
+        prefill_ms, decode_ms = int(reply[4]), int(reply[5])
+        row = self._cache.rows.get(iid)
+        url = row.spec.url if row else ""
+        self._local[rid] = LocalReservation(
+            rid, iid, epoch, "prefill", prompt, expected, prefill_ms, decode_ms, in_redis=True
+        )
+        timed = row is not None and row.spec.has_timing
+        return Reservation(
+            rid,
+            iid,
+            url,
+            epoch,
+            ttft if timed else None,
+            prefill_ms,
+            decode_ms,
+            prompt,
+            expected,
+            False,
+            ranking.scores.get(iid),
+        )
+
+    def _reserve_local(
+        self, rid: str, prompt: int, expected: int, strategy: str | None
+    ) -> Reservation:
+        """Degraded mode: the same strategy over this node's own counters."""
+        existing = self._local.get(rid)
+        snap = self._current_snapshot()
+        ranking = self.rank(snap, strategy)
+        chosen = ranking.choice
+        if existing is not None:
+            row = self._cache.rows.get(existing.instance_id)
+            return Reservation(
+                rid,
+                existing.instance_id,
+                row.spec.url if row else "",
+                existing.epoch,
+                None,
+                existing.prefill_ms,
+                existing.decode_ms,
+                prompt,
+                expected,
+                True,
+                None,
+            )
+        if chosen is None:
+            raise NoInstanceError("no alive instance known to this node (degraded)")
+        prefill_ms, decode_ms = chosen.spec.prefill_ms(prompt), chosen.spec.decode_ms(expected)
+        self._local[rid] = LocalReservation(
+            rid,
+            chosen.id,
+            chosen.epoch,
+            "prefill",
+            prompt,
+            expected,
+            prefill_ms,
+            decode_ms,
+            in_redis=False,
+        )
+        return Reservation(
+            rid,
+            chosen.id,
+            chosen.url,
+            chosen.epoch,
+            None,
+            prefill_ms,
+            decode_ms,
+            prompt,
+            expected,
+            True,
+            ranking.scores.get(chosen.id),
+        )
+
+    async def mark_first_token(self, rid: str) -> bool:
+        """Move a reservation to decode; False when it was unknown or already there."""
+        res = self._local.get(rid)
+        if res is not None:
+            res.phase = "decode"
+        if not isinstance(rid, str) or not ID_RE.match(rid):
+            raise InvalidArgumentError(f"rid {rid!r} is not a valid id")
+        try:
+            reply = await self._call("mark_first_token", [rid, *self._cache.since()])
+        except CoordinationUnavailableError:
+            return res is not None
+        self._cache.apply(reply[-1])
+        return str(reply[0]) == "ok"
+
+    async def release(self, rid: str) -> bool:
+        """End a reservation; a second release (or an unknown rid) changes nothing."""
+        if not isinstance(rid, str) or not ID_RE.match(rid):
+            raise InvalidArgumentError(f"rid {rid!r} is not a valid id")
+        res = self._local.pop(rid, None)
+        if self._degraded:
+            if res is not None and res.in_redis:
+                self._pending_releases.add(rid)
+            return res is not None
+        try:
+            reply = await self._call("release", [rid, *self._cache.since()], (self._node_rids,))
+        except CoordinationUnavailableError:
+            if res is None or res.in_redis:
+                self._pending_releases.add(rid)
+            return res is not None
+        self._cache.apply(reply[-1])
+        return str(reply[0]) == "ok"
+
+    # ------------------------------------------------------------------ leases
+
+    async def renew_lease(self) -> list[str]:
+        """Extend this node's lease; returns the ids of nodes whose lease expired."""
+        reply = await self._call("renew_lease", [self.node_id, self.settings.lease_ms])
+        return [str(n) for n in reply[2] if str(n) != self.node_id]
+
+    async def reap_node(self, node_id: str) -> int:
+        """Release every reservation of an expired node; 0 if it came back meanwhile."""
+        reply = await self._call("reap_node", [node_id], (self.keys.node_rids(node_id),))
+        reaped = int(reply[1])
+        if reaped:
+            self.stats.reaped += reaped
+            log.info("reaped %d reservations of expired node %s", reaped, node_id)
+            if self.on_reaped is not None:
+                self.on_reaped(reaped)
+        return reaped
+
+    async def reap_expired(self) -> int:
+        """Renew this node's lease, then reap every expired node. Returns reservations reaped."""
+        total = 0
+        for node in await self.renew_lease():
+            total += await self.reap_node(node)
+        return total
+
+    async def _lease_loop(self) -> None:
+        period = self.settings.lease_ms / 3000
+        while True:
+            if not self._degraded:
+                try:
+                    await self.reap_expired()
+                except CoordinationUnavailableError:
+                    pass
+                except Exception:
+                    log.exception("lease renewal failed")
+            await asyncio.sleep(period)
+
+    # ------------------------------------------------------------------ degraded mode
+
+    async def _recover(self) -> None:
+        """Probe Redis until it answers, then re-assert lease, registrations, reservations."""
+        interval = self.settings.recovery_interval_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._reassert()
+            except UNAVAILABLE as exc:
+                log.debug("redis still unavailable: %s", exc)
+                continue
+            except Exception:
+                log.exception("re-asserting state failed; will retry")
+                continue
+            log.warning("redis is back: coordination ok")
+            return
+
+    async def _reassert(self) -> None:
+        """Idempotently restore this node's state, then leave degraded mode."""
+        direct = self._direct_call
+        await direct("renew_lease", [self.node_id, self.settings.lease_ms])
+        for spec in list(self._registered.values()):
+            with suppress(EpochFencedError):
+                await direct("register", [spec.id, spec.to_json(), spec.max_slots, spec.epoch])
+        since, run_id = self._cache.since()
+        self._cache.apply(await direct("snapshot", [since, run_id]))
+        done: set[str] = set()
+        while True:
+            todo = [r for rid, r in self._local.items() if rid not in done]
+            releases = list(self._pending_releases)
+            if not todo and not releases:
+                break
+            for res in todo:
+                status = await direct(
+                    "restore",
+                    [
+                        res.rid,
+                        self.node_id,
+                        res.instance_id,
+                        res.epoch,
+                        res.phase,
+                        res.prompt_tokens,
+                        res.expected_output_tokens,
+                        res.prefill_ms,
+                        res.decode_ms,
+                    ],
+                    (self._node_rids,),
+                )
+                done.add(res.rid)
+                if str(status[0]) == "void":
+                    self._local.pop(res.rid, None)
+                elif res.rid in self._local:
+                    self._local[res.rid].in_redis = True
+            for rid in releases:
+                await direct("release", [rid, 0, ""], (self._node_rids,))
+                self._pending_releases.discard(rid)
+        # No await between the last check above and this switch: nothing can slip by.
+        self._degraded = False
+
+    async def _direct_call(self, name: str, args: list[Any], extra: tuple[str, ...] = ()) -> Any:
+        try:
+            return await self.scripts[name](keys=[*self._columns, *extra], args=args)
+        except ResponseError as exc:
+            mapped = from_response_error(exc)
+            if mapped is None:
+                raise
+            raise mapped from exc
+
+
+__all__ = ["Coordinator", "LocalReservation", "RegisterResult", "Stats", "UnknownInstanceError"]

@@ -1,0 +1,70 @@
+"""The whole Redis key schema of a pool, in one place.
+
+State is stored column-wise: one hash per field, keyed by instance id. That keeps
+every script's KEYS list fixed (scripts never build key names) while `redis-cli
+HGETALL 'lc:{pool}:inflight'` still shows a pool's counters at a glance.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+POOL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+# Columns in the order every script receives them as KEYS[1..N]; lua/_lib.lua
+# names the same positions. Each is a hash keyed by instance id unless noted.
+COLUMNS: tuple[str, ...] = (
+    "meta",  # hash: version (pool change counter), run_id, created_ms
+    "changes",  # zset: instance id -> pool version of its latest change
+    "spec",  # JSON InstanceSpec without epoch
+    "epoch",  # engine epoch; older reservations are void
+    "last_seen_ms",  # Redis time of the last register/heartbeat
+    "max_slots",  # sequences the fleet forwards at once (0 = unlimited)
+    "inflight",  # live reservations, both phases
+    "pending_prefill",  # reservations in phase prefill
+    "active_decode",  # reservations in phase decode
+    "pending_prefill_ms",  # sum of prefill_ms of prefill-phase reservations
+    "prefill_free_at_ms",  # Redis time when serialized prefill is predicted free
+    "version",  # per-instance change counter
+    "hints",  # "<id>:<hint>" and "<id>:<hint>_at_ms" engine hints
+    "reservations",  # hash rid -> JSON reservation record
+    "by_instance",  # lex zset "<id>|<end_at_ms:015d>|<rid>"
+    "nodes",  # zset node id -> lease deadline (Redis ms)
+)
+
+
+def tagged(prefix: str, pool: str) -> str:
+    """The key stem of a pool; the only place the {pool} hash tag is applied."""
+    return f"{prefix}:{{{pool}}}"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolKeys:
+    """Key names of one pool."""
+
+    prefix: str
+    pool: str
+
+    @property
+    def stem(self) -> str:
+        """The hash-tagged stem shared by every key of the pool."""
+        return tagged(self.prefix, self.pool)
+
+    def column(self, name: str) -> str:
+        """The key of one column (see COLUMNS)."""
+        return f"{self.stem}:{name}"
+
+    @property
+    def columns(self) -> list[str]:
+        """All column keys, in script KEYS order."""
+        return [self.column(name) for name in COLUMNS]
+
+    def node_rids(self, node_id: str) -> str:
+        """Set of reservation ids a node holds; the reaper drains it."""
+        return f"{self.stem}:node:{node_id}:rids"
+
+    def pattern(self) -> str:
+        """A SCAN/ACL pattern matching every key of the pool."""
+        return f"{self.stem}:*"

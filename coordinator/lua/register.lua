@@ -1,0 +1,45 @@
+-- register: upsert an instance; a higher epoch voids the old epoch's reservations.
+-- KEYS[1..16] = the pool columns (coordinator/keys.py COLUMNS)
+-- ARGV[1] = instance id
+-- ARGV[2] = spec JSON (InstanceSpec without epoch; validated by the caller)
+-- ARGV[3] = max_slots (integer >= 0, 0 = unlimited)
+-- ARGV[4] = epoch (integer >= 0; 0 = keep the stored epoch, or 1 when new)
+-- returns {'new'|'updated'|'restarted', epoch, voided_reservations}
+-- errors: LCERR epoch_fenced when ARGV[4] is below the stored epoch
+local id = ARGV[1]
+if not valid_id(id) then return fail('bad_arg', 'instance id') end
+if type(ARGV[2]) ~= 'string' or string.sub(ARGV[2], 1, 1) ~= '{' then
+  return fail('bad_arg', 'spec must be a JSON object')
+end
+local max_slots = int_arg(ARGV[3], 1000000)
+if max_slots == nil then return fail('bad_arg', 'max_slots must be an integer >= 0') end
+local epoch = int_arg(ARGV[4])
+if epoch == nil then return fail('bad_arg', 'epoch must be an integer >= 0') end
+local now = now_ms()
+local stored = redis.call('HGET', K_EPOCH, id)
+local status, voided = 'updated', 0
+if not stored then
+  status = 'new'
+  if epoch == 0 then epoch = 1 end
+  for _, key in ipairs({K_INFLIGHT, K_PENDING, K_DECODE, K_PENDING_MS}) do
+    redis.call('HSET', key, id, 0)
+  end
+  redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', now))
+else
+  stored = tonumber(stored)
+  if epoch == 0 or epoch == stored then
+    epoch = stored
+  elseif epoch < stored then
+    return fail('epoch_fenced', id .. ' has epoch ' .. stored .. ', got ' .. epoch)
+  else
+    status = 'restarted'
+    voided = void_instance(id)
+    redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', now))
+  end
+end
+redis.call('HSET', K_SPEC, id, ARGV[2])
+redis.call('HSET', K_EPOCH, id, string.format('%d', epoch))
+redis.call('HSET', K_MAX_SLOTS, id, max_slots)
+redis.call('HSET', K_LAST_SEEN, id, string.format('%d', now))
+touch(id, now)
+return {status, epoch, voided}

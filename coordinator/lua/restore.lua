@@ -1,0 +1,65 @@
+-- restore: re-assert a node's live reservation after Redis lost or missed it.
+-- Idempotent: an existing record is only advanced (prefill -> decode), never doubled.
+-- KEYS[1..16] = the pool columns (coordinator/keys.py COLUMNS)
+-- KEYS[17] = {pool}:node:<node>:rids  the owning node's reservation set
+-- ARGV[1] = rid
+-- ARGV[2] = node id
+-- ARGV[3] = instance id
+-- ARGV[4] = epoch the reservation was made under
+-- ARGV[5] = phase ('prefill' or 'decode')
+-- ARGV[6] = prompt_tokens, ARGV[7] = expected_output_tokens
+-- ARGV[8] = prefill_ms (ms), ARGV[9] = decode_ms (ms)
+-- returns {'restored'|'advanced'|'exists'|'void'}
+--   void: the instance is unknown or runs another epoch; the caller forgets it
+local rid, node, id = ARGV[1], ARGV[2], ARGV[3]
+if not valid_id(rid) or not valid_id(node) or not valid_id(id) then
+  return fail('bad_arg', 'rid, node and instance must be ids')
+end
+local epoch, phase = int_arg(ARGV[4]), ARGV[5]
+local prompt, expected = int_arg(ARGV[6]), int_arg(ARGV[7])
+local prefill_ms, decode_ms = int_arg(ARGV[8], 86400000), int_arg(ARGV[9], 86400000)
+if epoch == nil or prompt == nil or expected == nil or prefill_ms == nil or decode_ms == nil
+    or (phase ~= 'prefill' and phase ~= 'decode') then
+  return fail('bad_arg', 'restore arguments')
+end
+local now = now_ms()
+local stored_epoch = redis.call('HGET', K_EPOCH, id)
+if not stored_epoch or tonumber(stored_epoch) ~= epoch then return {'void'} end
+local raw = redis.call('HGET', K_RES, rid)
+if raw then
+  local rec = cjson.decode(raw)
+  if rec.phase == 'prefill' and phase == 'decode' then
+    redis.call('ZREM', K_BY_INSTANCE, lex_member(id, rec.end_at_ms, rid))
+    rec.phase, rec.first_token_at_ms, rec.end_at_ms = 'decode', now, now + rec.decode_ms
+    redis.call('HSET', K_RES, rid, cjson.encode(rec))
+    redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, rec.end_at_ms, rid))
+    if num(K_PENDING, id) > 0 then redis.call('HINCRBY', K_PENDING, id, -1) end
+    redis.call('HINCRBY', K_DECODE, id, 1)
+    redis.call('HINCRBY', K_PENDING_MS, id, -rec.prefill_ms)
+    rechain_prefill(id, now)
+    touch(id, now)
+    return {'advanced'}
+  end
+  return {'exists'}
+end
+local rec = {instance = id, epoch = epoch, node = node, phase = phase, prompt_tokens = prompt,
+  expected_output_tokens = expected, prefill_ms = prefill_ms, decode_ms = decode_ms,
+  created_ms = now, predicted_ttft_ms = 0}
+redis.call('HINCRBY', K_INFLIGHT, id, 1)
+if phase == 'prefill' then
+  local start = math.max(now, num(K_PREFILL_FREE, id))
+  rec.first_token_at_ms = start + prefill_ms
+  rec.end_at_ms = rec.first_token_at_ms + decode_ms
+  redis.call('HINCRBY', K_PENDING, id, 1)
+  redis.call('HINCRBY', K_PENDING_MS, id, prefill_ms)
+  redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', rec.first_token_at_ms))
+else
+  rec.first_token_at_ms = now
+  rec.end_at_ms = now + decode_ms
+  redis.call('HINCRBY', K_DECODE, id, 1)
+end
+redis.call('HSET', K_RES, rid, cjson.encode(rec))
+redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, rec.end_at_ms, rid))
+redis.call('SADD', KEYS[17], rid)
+touch(id, now)
+return {'restored'}

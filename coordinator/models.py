@@ -1,0 +1,188 @@
+"""Plain data types shared by the coordinator, the strategies and the proxy node."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from coordinator.errors import InvalidArgumentError
+from coordinator.keys import ID_RE
+
+ROLES = ("mixed", "prefill", "decode")
+HINT_NAMES = ("engine_running", "engine_waiting", "queue_depth")
+
+
+def _number(name: str, value: Any, *, minimum: float = 0.0, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < minimum:
+        raise InvalidArgumentError(f"{name} must be finite and >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """What an engine instance declares when it registers."""
+
+    id: str
+    url: str
+    role: str = "mixed"
+    max_slots: int = 0  # 0 = unlimited
+    weight: float = 1.0  # relative capacity; scores are divided by it
+    prefill_ms_per_token: float | None = None
+    prefill_overhead_ms: float | None = None
+    decode_ms_per_token: float | None = None
+    epoch: int = 0  # 0 = keep the stored epoch (or 1 for a new instance)
+    model: str | None = None
+    tags: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not ID_RE.match(self.id):
+            raise InvalidArgumentError(
+                f"instance id {self.id!r} must match {ID_RE.pattern} (no '|', braces or spaces)"
+            )
+        if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
+            raise InvalidArgumentError(f"url must be an http(s) URL, got {self.url!r}")
+        if self.role not in ROLES:
+            raise InvalidArgumentError(f"role must be one of {ROLES}, got {self.role!r}")
+        if isinstance(self.max_slots, bool) or not isinstance(self.max_slots, int):
+            raise InvalidArgumentError(f"max_slots must be an integer, got {self.max_slots!r}")
+        _number("max_slots", self.max_slots)
+        _number("weight", self.weight, minimum=1e-6)
+        for name in ("prefill_ms_per_token", "prefill_overhead_ms", "decode_ms_per_token"):
+            _number(name, getattr(self, name), optional=True)
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 0:
+            raise InvalidArgumentError(f"epoch must be a non-negative integer, got {self.epoch!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise InvalidArgumentError("model must be a string")
+        if not all(isinstance(t, str) for t in self.tags):
+            raise InvalidArgumentError("tags must be strings")
+
+    @property
+    def has_timing(self) -> bool:
+        """Whether the timing model needed for predicted pressure is known."""
+        return self.prefill_ms_per_token is not None and self.decode_ms_per_token is not None
+
+    def prefill_ms(self, prompt_tokens: int) -> int:
+        """Predicted prefill time of a prompt on this instance, in whole ms."""
+        if not self.has_timing:
+            return 0
+        per_token = self.prefill_ms_per_token or 0.0
+        return math.ceil((self.prefill_overhead_ms or 0.0) + per_token * prompt_tokens)
+
+    def decode_ms(self, output_tokens: int) -> int:
+        """Predicted decode time of an output on this instance, in whole ms."""
+        if not self.has_timing:
+            return 0
+        return math.ceil((self.decode_ms_per_token or 0.0) * output_tokens)
+
+    def to_json(self) -> str:
+        """The stored form (epoch lives in its own column)."""
+        data = asdict(self)
+        data.pop("epoch")
+        data["tags"] = list(self.tags)
+        return json.dumps(data, separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> InstanceSpec:
+        """Build and validate a spec from decoded JSON; raises InvalidArgumentError."""
+        if not isinstance(data, dict):
+            raise InvalidArgumentError("an instance spec must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise InvalidArgumentError(f"unknown instance fields: {sorted(unknown)}")
+        for required in ("id", "url"):
+            if required not in data:
+                raise InvalidArgumentError(f"missing instance field {required!r}")
+        values = dict(data)
+        if "tags" in values:
+            if not isinstance(values["tags"], list | tuple):
+                raise InvalidArgumentError("tags must be a list of strings")
+            values["tags"] = tuple(values["tags"])
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class Hint:
+    """One engine hint and the Redis time it was reported at."""
+
+    value: float
+    at_ms: int
+
+
+@dataclass(slots=True)
+class InstanceRow:
+    """One instance's raw state as stored in Redis (absolute Redis times)."""
+
+    id: str
+    spec: InstanceSpec
+    epoch: int
+    last_seen_ms: int
+    max_slots: int
+    inflight: int
+    pending_prefill: int
+    active_decode: int
+    prefill_free_at_ms: int
+    earliest_end_at_ms: int | None
+    version: int
+    hints: dict[str, Hint] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    """Pressure of one instance at the snapshot's Redis time; None means unknown."""
+
+    id: str
+    url: str
+    role: str
+    weight: float
+    epoch: int
+    version: int
+    alive: bool
+    last_seen_age_ms: int
+    max_slots: int
+    inflight: int | None
+    pending_prefill_count: int | None
+    active_decode_count: int | None
+    next_slot_ready_in_ms: int | None
+    prefill_free_in_ms: int | None
+    predicted_total_backlog_ms: int | None
+    engine_running: float | None
+    engine_waiting: float | None
+    queue_depth: float | None
+    hint_ages_ms: dict[str, int]
+    spec: InstanceSpec
+
+    def predicted_ttft_ms(self, prompt_tokens: int) -> int | None:
+        """Backlog plus this request's own prefill estimate; None without a timing model."""
+        if self.predicted_total_backlog_ms is None:
+            return None
+        return self.predicted_total_backlog_ms + self.spec.prefill_ms(prompt_tokens)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready view (numbers and names only; no payloads)."""
+        data = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "spec"}
+        data["model"] = self.spec.model
+        data["has_timing_model"] = self.spec.has_timing
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """One request's claim on one instance."""
+
+    rid: str
+    instance_id: str
+    url: str
+    epoch: int
+    predicted_ttft_ms: int | None
+    prefill_ms: int
+    decode_ms: int
+    prompt_tokens: int
+    expected_output_tokens: int
+    degraded: bool = False
+    score: Any = None  # the strategy's Score for the chosen instance (explainability)

@@ -1,0 +1,142 @@
+"""Settings: one frozen dataclass, every knob with a default, validated at start-up."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from coordinator.errors import InvalidArgumentError
+from coordinator.keys import POOL_NAME_RE
+
+STRATEGIES = ("least_load", "round_robin", "power_of_two")
+FULL_POLICIES = ("reject", "queue")
+
+
+@dataclass(frozen=True, slots=True)
+class Weights:
+    """least_load weights; the defaults are the seed's (DESIGN.md §3)."""
+
+    inflight: float = 1.0  # lifecycle layer
+    engine_running: float = 1.0  # instantaneous layer
+    engine_waiting: float = 0.25
+    queue_depth: float = 0.25
+    pending_prefill: float = 1.0  # predicted layer
+    active_decode: float = 0.5
+    backlog_ms: float = 0.001
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidArgumentError(f"weight {f.name} must be a number, got {value!r}")
+            if not math.isfinite(value) or value < 0:
+                raise InvalidArgumentError(f"weight {f.name} must be finite and >= 0, got {value}")
+
+    @classmethod
+    def parse(cls, text: str) -> Weights:
+        """Parse `name=value,name=value`; unnamed weights keep their defaults."""
+        values: dict[str, float] = {}
+        known = {f.name for f in fields(cls)}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, sep, raw = item.partition("=")
+            if not sep or name.strip() not in known:
+                raise InvalidArgumentError(
+                    f"bad weight {item!r}; expected name=value with name in {sorted(known)}"
+                )
+            try:
+                values[name.strip()] = float(raw)
+            except ValueError:
+                raise InvalidArgumentError(f"weight {name} is not a number: {raw!r}") from None
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, float]:
+        """The weights as a plain dict (for debug output)."""
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Coordinator settings. `from_env()` reads COORD_<NAME> variables."""
+
+    key_prefix: str = "lc"  # first part of every key; ACLs match `~lc:*`
+    instance_ttl_ms: int = 10_000  # an instance is alive while now - last_seen <= ttl
+    heartbeat_interval_ms: int = 3_000  # what registration answers tell engines to use
+    hint_ttl_ms: int = 5_000  # an engine hint older than this counts as missing
+    lease_ms: int = 10_000  # node lease; renewed every lease/3, reaped after expiry
+    top_k: int = 4  # ranked candidates sent to the reserve script
+    reserve_retries: int = 3  # re-scores after all candidates changed; then forced
+    enforce_max_slots: bool = False  # refuse to exceed an instance's max_slots
+    full_policy: str = "reject"  # when all are full: reject (429) or queue
+    queue_timeout_ms: int = 5_000  # longest wait for a slot under the queue policy
+    redis_timeout_ms: int = 100  # socket timeout of every Redis call
+    recovery_interval_ms: int = 500  # how often a degraded node probes Redis
+    snapshot_max_age_ms: int = 0  # reuse the piggybacked cache if younger (0 = always read)
+    strategy: str = "least_load"  # default selection strategy
+    weights: Weights = field(default_factory=Weights)
+
+    def __post_init__(self) -> None:
+        if not self.key_prefix or not POOL_NAME_RE.match(self.key_prefix):
+            raise InvalidArgumentError(f"key_prefix {self.key_prefix!r} is not a plain name")
+        for name in (
+            "instance_ttl_ms",
+            "heartbeat_interval_ms",
+            "hint_ttl_ms",
+            "lease_ms",
+            "queue_timeout_ms",
+            "redis_timeout_ms",
+            "recovery_interval_ms",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+        if self.snapshot_max_age_ms < 0:
+            raise InvalidArgumentError("snapshot_max_age_ms must be >= 0")
+        if not 1 <= self.top_k <= 64:
+            raise InvalidArgumentError(f"top_k must be in 1..64, got {self.top_k}")
+        if not 0 <= self.reserve_retries <= 16:
+            raise InvalidArgumentError(
+                f"reserve_retries must be in 0..16, got {self.reserve_retries}"
+            )
+        if self.full_policy not in FULL_POLICIES:
+            raise InvalidArgumentError(f"full_policy must be one of {FULL_POLICIES}")
+        if self.strategy not in STRATEGIES:
+            raise InvalidArgumentError(f"strategy must be one of {STRATEGIES}")
+        if self.heartbeat_interval_ms >= self.instance_ttl_ms:
+            raise InvalidArgumentError("heartbeat_interval_ms must be below instance_ttl_ms")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build settings from COORD_* variables, then apply explicit overrides."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f"COORD_{f.name.upper()}")
+            if raw is None:
+                continue
+            values[f.name] = _parse_field(f.name, f.type, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def with_(self, **changes: Any) -> Settings:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+def _parse_field(name: str, type_name: Any, raw: str) -> Any:
+    if name == "weights":
+        return Weights.parse(raw)
+    if type_name in ("bool", bool):
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise InvalidArgumentError(f"COORD_{name.upper()} must be a boolean, got {raw!r}")
+    if type_name in ("int", int):
+        try:
+            return int(raw)
+        except ValueError:
+            raise InvalidArgumentError(f"COORD_{name.upper()} must be an integer") from None
+    return raw

@@ -1,0 +1,208 @@
+"""Selection strategies: pure functions from snapshot rows to a ranked choice.
+
+They know nothing of HTTP or Redis. The round-robin state is a small object the
+caller keeps per pool; randomness comes from a `random.Random` the caller owns.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from coordinator.models import InstanceLoad
+from coordinator.settings import Weights
+
+LIFECYCLE = ("inflight",)
+INSTANTANEOUS = ("engine_running", "engine_waiting", "queue_depth")
+PREDICTED = ("pending_prefill", "active_decode", "backlog_ms")
+LAYERS = {"lifecycle": LIFECYCLE, "instantaneous": INSTANTANEOUS, "predicted": PREDICTED}
+TIE_EPSILON = 1e-9
+
+
+@dataclass(slots=True)
+class RoundRobin:
+    """A per-pool rotation counter used for round_robin and for breaking ties."""
+
+    counter: int = 0
+
+    def take(self) -> int:
+        """Return the current position and advance."""
+        value = self.counter
+        self.counter += 1
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    """An explainable least_load score of one candidate."""
+
+    instance_id: str
+    total: float | None
+    components: dict[str, float | None]
+    weighted_components: dict[str, float]
+    sources: dict[str, str]
+    weights: dict[str, float]
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready view."""
+        return {
+            "instance_id": self.instance_id,
+            "total": self.total,
+            "components": self.components,
+            "weighted_components": self.weighted_components,
+            "sources": self.sources,
+            "weights": self.weights,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """Candidates best-first, with the score of every candidate that was scored."""
+
+    ranked: list[InstanceLoad]
+    scores: dict[str, Score] = field(default_factory=dict)
+    strategy: str = "least_load"
+
+    @property
+    def choice(self) -> InstanceLoad | None:
+        """The best candidate, or None when there is none."""
+        return self.ranked[0] if self.ranked else None
+
+
+def eligible(rows: Sequence[InstanceLoad], role: str = "mixed") -> list[InstanceLoad]:
+    """Alive rows that can serve a whole request (role `mixed` by default)."""
+    return [r for r in rows if r.alive and r.role == role]
+
+
+def _raw_components(row: InstanceLoad) -> dict[str, float | None]:
+    return {
+        "inflight": row.inflight,
+        "engine_running": row.engine_running,
+        "engine_waiting": row.engine_waiting,
+        "queue_depth": row.queue_depth,
+        "pending_prefill": row.pending_prefill_count
+        if row.predicted_total_backlog_ms is not None
+        else None,
+        "active_decode": row.active_decode_count
+        if row.predicted_total_backlog_ms is not None
+        else None,
+        "backlog_ms": row.predicted_total_backlog_ms,
+    }
+
+
+def score_rows(
+    rows: Sequence[InstanceLoad],
+    weights: Weights,
+    *,
+    use_hints: bool = True,
+    use_predicted: bool = True,
+) -> dict[str, Score]:
+    """Score candidates with the three-layer least_load model.
+
+    A component enters the totals only when it is known for every candidate whose
+    lifecycle is known, so candidates are always compared on the same terms: one
+    instance with a stale hint drops that hint for the whole decision rather than
+    looking artificially idle (missing is never zero).
+    """
+    raws = {row.id: _raw_components(row) for row in rows}
+    known = [raw for raw in raws.values() if raw["inflight"] is not None]
+    allowed = set(LIFECYCLE)
+    if use_hints:
+        allowed.update(INSTANTANEOUS)
+    if use_predicted:
+        allowed.update(PREDICTED)
+    used = [
+        name
+        for names in LAYERS.values()
+        for name in names
+        if name in allowed and known and all(raw[name] is not None for raw in known)
+    ]
+    weight_map = weights.as_dict()
+    layer_sources = {}
+    for layer, names in LAYERS.items():
+        if any(name in used for name in names):
+            layer_sources[layer] = "hints" if layer == "instantaneous" else "reservations"
+        else:
+            layer_sources[layer] = "missing"
+    scores: dict[str, Score] = {}
+    for row in rows:
+        raw = raws[row.id]
+        if raw["inflight"] is None:
+            scores[row.id] = Score(
+                row.id, None, raw, {}, {k: "missing" for k in LAYERS}, weight_map
+            )
+            continue
+        weighted = {name: weight_map[name] * float(raw[name] or 0.0) for name in used}
+        total = sum(weighted.values()) / row.weight
+        scores[row.id] = Score(row.id, total, raw, weighted, dict(layer_sources), weight_map)
+    return scores
+
+
+def _rank_by_score(
+    rows: Sequence[InstanceLoad], scores: dict[str, Score], rr: RoundRobin
+) -> list[InstanceLoad]:
+    """Order by total; the tied minimum rotates; unknown totals go last (rotated)."""
+    known = sorted(
+        (r for r in rows if scores[r.id].total is not None),
+        key=lambda r: (scores[r.id].total, r.id),
+    )
+    unknown = sorted((r for r in rows if scores[r.id].total is None), key=lambda r: r.id)
+    if not known:
+        return _rotate(unknown, rr.take())
+    best = scores[known[0].id].total or 0.0
+    tied = [r for r in known if (scores[r.id].total or 0.0) - best <= TIE_EPSILON]
+    rest = known[len(tied) :]
+    return _rotate(tied, rr.take()) + rest + unknown
+
+
+def _rotate(items: list[InstanceLoad], offset: int) -> list[InstanceLoad]:
+    if not items:
+        return items
+    k = offset % len(items)
+    return items[k:] + items[:k]
+
+
+def least_load(
+    rows: Sequence[InstanceLoad],
+    weights: Weights,
+    rr: RoundRobin,
+    *,
+    use_hints: bool = True,
+    use_predicted: bool = True,
+) -> Ranking:
+    """Rank candidates by the least_load score (DESIGN.md §3), best first."""
+    scores = score_rows(rows, weights, use_hints=use_hints, use_predicted=use_predicted)
+    return Ranking(_rank_by_score(rows, scores, rr), scores, "least_load")
+
+
+def round_robin(rows: Sequence[InstanceLoad], weights: Weights, rr: RoundRobin) -> Ranking:
+    """Rotate through the candidates in id order; scores are attached for explanation."""
+    ordered = sorted(rows, key=lambda r: r.id)
+    return Ranking(_rotate(ordered, rr.take()), score_rows(rows, weights), "round_robin")
+
+
+def power_of_two(
+    rows: Sequence[InstanceLoad], weights: Weights, rr: RoundRobin, rng: random.Random
+) -> Ranking:
+    """Sample two candidates at random, then rank them by least_load score."""
+    sample = rng.sample(list(rows), 2) if len(rows) > 2 else list(rows)
+    scores = score_rows(sample, weights)
+    return Ranking(_rank_by_score(sample, scores, rr), scores, "power_of_two")
+
+
+def rank(
+    name: str,
+    rows: Sequence[InstanceLoad],
+    weights: Weights,
+    rr: RoundRobin,
+    rng: random.Random,
+) -> Ranking:
+    """Dispatch to a strategy by name."""
+    if name == "least_load":
+        return least_load(rows, weights, rr)
+    if name == "round_robin":
+        return round_robin(rows, weights, rr)
+    if name == "power_of_two":
+        return power_of_two(rows, weights, rr, rng)
+    raise ValueError(f"unknown strategy {name!r}")

@@ -1,0 +1,215 @@
+"""Reservation lifecycle against the real server and fakeredis (they must agree)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator import (
+    EpochFencedError,
+    InvalidArgumentError,
+    NoInstanceError,
+    PoolFullError,
+    ScriptArgumentError,
+    UnknownInstanceError,
+)
+from tests.conftest import MakeCoordinator
+from tests.helpers import assert_counters_match_reservations, counters, spec
+
+
+async def test_lifecycle_moves_counters_exactly(make_coordinator: MakeCoordinator) -> None:
+    c = await make_coordinator("n1")
+    for i in range(3):
+        await c.register_instance(spec(i))
+    res = [await c.reserve(100, 10) for _ in range(5)]
+    assert sum((await counters(c))["inflight"].values()) == 5
+    await assert_counters_match_reservations(c)
+    assert await c.mark_first_token(res[0].rid) is True
+    assert await c.mark_first_token(res[0].rid) is False
+    stored = await counters(c)
+    assert stored["active_decode"][res[0].instance_id] == 1
+    await assert_counters_match_reservations(c)
+    for r in res:
+        assert await c.release(r.rid) is True
+    before = await counters(c)
+    assert await c.release(res[0].rid) is False
+    assert await c.release("never-reserved") is False
+    assert await counters(c) == before
+    assert all(v == 0 for col in before.values() for v in col.values())
+
+
+async def test_sequential_reserves_spread_over_idle_instances(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    c = await make_coordinator("n1")
+    for i in range(4):
+        await c.register_instance(spec(i))
+    chosen = [(await c.reserve(100, 10)).instance_id for _ in range(8)]
+    assert sorted(chosen) == sorted([f"i{i}" for i in range(4)] * 2)
+
+
+async def test_predicted_ttft_chains_serialized_prefill(make_coordinator: MakeCoordinator) -> None:
+    c = await make_coordinator("n1")
+    await c.register_instance(spec(0, prefill_ms_per_token=1.0, prefill_overhead_ms=0.0))
+    first = await c.reserve(100, 10)
+    second = await c.reserve(100, 10)
+    assert first.predicted_ttft_ms is not None and second.predicted_ttft_ms is not None
+    # The second prompt waits for the first one's 100 ms prefill (give or take clock ms).
+    assert 195 <= second.predicted_ttft_ms <= 200
+    snap = await c.snapshot()
+    row = snap.by_id()["i0"]
+    assert row.pending_prefill_count == 2
+    assert row.prefill_free_in_ms is not None and 190 <= row.prefill_free_in_ms <= 200
+    await c.mark_first_token(first.rid)
+    row = (await c.snapshot()).by_id()["i0"]
+    # Re-chained: now + the remaining prefill work (one 100 ms prompt).
+    assert row.prefill_free_in_ms is not None and 95 <= row.prefill_free_in_ms <= 100
+
+
+async def test_duplicate_rid_is_idempotent(make_coordinator: MakeCoordinator) -> None:
+    c = await make_coordinator("n1")
+    await c.register_instance(spec(0))
+    await c.register_instance(spec(1))
+    a = await c.reserve(10, 10, rid="req-1")
+    b = await c.reserve(10, 10, rid="req-1")
+    assert a.instance_id == b.instance_id
+    assert sum((await counters(c))["inflight"].values()) == 1
+
+
+async def test_epoch_fencing_voids_old_reservations(make_coordinator: MakeCoordinator) -> None:
+    c = await make_coordinator("n1")
+    first = await c.register_instance(spec(0, epoch=5))
+    assert first.epoch == 5
+    r = await c.reserve(10, 10)
+    await c.mark_first_token(r.rid)
+    assert (await counters(c))["inflight"]["i0"] == 1
+    restarted = await c.register_instance(spec(0, epoch=6))
+    assert (restarted.status, restarted.voided_reservations) == ("restarted", 1)
+    assert (await counters(c))["inflight"]["i0"] == 0
+    assert await c.release(r.rid) is False
+    assert (await counters(c))["active_decode"]["i0"] == 0
+    with pytest.raises(EpochFencedError):
+        await c.register_instance(spec(0, epoch=4))
+    same = await c.register_instance(spec(0))
+    assert (same.status, same.epoch) == ("updated", 6)
+    await assert_counters_match_reservations(c)
+
+
+async def test_unknown_instance_and_unregister(make_coordinator: MakeCoordinator) -> None:
+    c = await make_coordinator("n1")
+    with pytest.raises(UnknownInstanceError):
+        await c.heartbeat_instance("ghost")
+    with pytest.raises(UnknownInstanceError):
+        await c.unregister_instance("ghost")
+    await c.register_instance(spec(0))
+    r = await c.reserve(10, 10)
+    assert await c.unregister_instance("i0") == 1
+    assert await c.release(r.rid) is False
+    assert await c.list_instances(include_dead=True) == []
+    with pytest.raises(NoInstanceError):
+        await c.reserve(10, 10)
+
+
+async def test_bad_input_writes_nothing(make_coordinator: MakeCoordinator) -> None:
+    c = await make_coordinator("n1")
+    await c.register_instance(spec(0))
+    before = await c.redis.hgetall(c.keys.column("meta"))
+    for bad in (-1, 1.5, "10", True, None):
+        with pytest.raises(InvalidArgumentError):
+            await c.reserve(bad, 10)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError):
+            await c.reserve(10, bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError):
+        await c.heartbeat_instance("i0", {"engine_running": -1})
+    with pytest.raises(InvalidArgumentError):
+        await c.reserve(10, 10, rid="has space")
+    # Straight to the script: Lua validates too, with a clear error and no write.
+    with pytest.raises(ScriptArgumentError, match="prompt_tokens"):
+        await c._call(
+            "reserve",
+            ["r1", "n1", "-5", "1", 0, 0, 1000, 0, "", 1, "i0", 1, 0, 0],
+            (c.keys.node_rids("n1"),),
+        )
+    with pytest.raises(ScriptArgumentError):
+        await c._call("heartbeat", ["i0", "nan", "", ""])
+    with pytest.raises(ScriptArgumentError):
+        await c._call("register", ["i{0}", "{}", 0, 0])
+    assert await c.redis.hgetall(c.keys.column("meta")) == before
+    assert await c.redis.hlen(c.keys.column("reservations")) == 0
+
+
+async def test_pool_name_with_braces_is_rejected(make_coordinator: MakeCoordinator) -> None:
+    c = await make_coordinator("n1")
+    from coordinator import Coordinator
+
+    with pytest.raises(InvalidArgumentError, match="pool"):
+        Coordinator(c.redis, pool="bad{pool}")
+
+
+async def test_noscript_after_script_flush(make_coordinator: MakeCoordinator) -> None:
+    c = await make_coordinator("n1")
+    await c.register_instance(spec(0))
+    await c.redis.script_flush()
+    r = await c.reserve(10, 10)
+    await c.redis.script_flush()
+    assert await c.release(r.rid) is True
+
+
+async def test_max_slots_reject_policy(make_coordinator: MakeCoordinator) -> None:
+    c = await make_coordinator("n1", enforce_max_slots=True)
+    await c.register_instance(spec(0, max_slots=2))
+    a = await c.reserve(10, 10)
+    await c.reserve(10, 10)
+    with pytest.raises(PoolFullError) as full:
+        await c.reserve(10, 10)
+    assert full.value.retry_after_ms >= 0
+    await c.release(a.rid)
+    assert (await c.reserve(10, 10)).instance_id == "i0"
+
+
+async def test_max_slots_queue_policy_waits_for_a_slot(make_coordinator: MakeCoordinator) -> None:
+    c = await make_coordinator(
+        "n1", enforce_max_slots=True, full_policy="queue", queue_timeout_ms=5000
+    )
+    await c.register_instance(spec(0, max_slots=1))
+    a = await c.reserve(10, 10)
+    waiter = asyncio.create_task(c.reserve(10, 10))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    await c.release(a.rid)
+    b = await asyncio.wait_for(waiter, 5)
+    assert b.instance_id == "i0"
+
+
+async def test_herding_four_nodes_burst_onto_sixteen(make_coordinator: MakeCoordinator) -> None:
+    nodes = [await make_coordinator(f"n{k}") for k in range(4)]
+    for i in range(16):
+        await nodes[0].register_instance(spec(i))
+    for node in nodes:
+        await node.refresh()
+    # Every node has the same (idle) view, then all 32 reserves race.
+    results = await asyncio.gather(*(node.reserve(100, 10) for node in nodes for _ in range(8)))
+    per_instance = (await counters(nodes[0]))["inflight"]
+    assert sorted(per_instance.values()) == [2] * 16, per_instance
+    assert len({r.rid for r in results}) == 32
+    await assert_counters_match_reservations(nodes[0])
+
+
+async def test_skewed_node_clock_changes_nothing(
+    make_coordinator: MakeCoordinator, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    import time as time_module
+
+    if backend == "fake":
+        pytest.skip("fakeredis's TIME is this process's clock, so it cannot be skewed apart")
+    c = await make_coordinator("n1")
+    await c.register_instance(spec(0))
+    real_time = time_module.time
+    monkeypatch.setattr(time_module, "time", lambda: real_time() + 3600)
+    r = await c.reserve(10, 10)
+    snap = await c.snapshot()
+    assert snap.by_id()["i0"].alive
+    server_ms = int(float((await c.redis.time())[0]) * 1000)
+    assert abs(snap.now_ms - server_ms) < 5_000
+    assert await c.release(r.rid)
