@@ -1,0 +1,193 @@
+"""The one timing model of a continuous-batching engine, shared by the mock engine
+and the simulator, so the simulator predicts what the live cluster does.
+
+Each engine iteration is either one prefill (serialized, FCFS, time linear in the
+prompt) or one decode step for every running sequence (step time grows with batch
+size, one token per sequence). Prefill has priority while the batch has room, as in
+vLLM's default scheduler. Time is passed in (ms), never read from a clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTiming:
+    """Timing constants, loosely after published H100 numbers for a 7-8B model."""
+
+    prefill_ms_per_token: float = 0.08  # ~12.5k prompt tokens/s
+    prefill_overhead_ms: float = 10.0  # scheduling + kernel launch per prefill
+    decode_base_ms: float = 12.0  # one decode step at batch size 1
+    decode_ms_per_seq: float = 0.25  # extra step time per running sequence
+    max_batch: int = 32  # running sequences at most
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_ms_per_token", "prefill_overhead_ms", "decode_ms_per_seq"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.decode_base_ms <= 0:
+            raise ValueError("decode_base_ms must be > 0")
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+
+    def prefill_ms(self, prompt_tokens: int) -> float:
+        """Time of one prefill."""
+        return self.prefill_overhead_ms + self.prefill_ms_per_token * prompt_tokens
+
+    def step_ms(self, batch: int) -> float:
+        """Time of one decode step with `batch` running sequences."""
+        return self.decode_base_ms + self.decode_ms_per_seq * batch
+
+    def nominal_decode_ms_per_token(self) -> float:
+        """Per-token decode time at a half-full batch: what instances register."""
+        return self.step_ms(max(1, self.max_batch // 2))
+
+    def scaled(self, speed: float) -> EngineTiming:
+        """Every duration divided by `speed` (replay faster than real time)."""
+        if speed <= 0:
+            raise ValueError("speed must be > 0")
+        return EngineTiming(
+            self.prefill_ms_per_token / speed,
+            self.prefill_overhead_ms / speed,
+            self.decode_base_ms / speed,
+            self.decode_ms_per_seq / speed,
+            self.max_batch,
+        )
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One request inside the engine."""
+
+    rid: str
+    prompt_tokens: int
+    output_tokens: int
+    arrived_ms: float
+    generated: int = 0
+    first_token_ms: float | None = None
+    finished_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEvent:
+    """What happened to a sequence: `first_token`, `token` or `done`, at `at_ms`."""
+
+    kind: str
+    rid: str
+    at_ms: float
+    generated: int
+
+
+class EngineModel:
+    """A deterministic continuous-batching engine driven by explicit times."""
+
+    def __init__(self, timing: EngineTiming | None = None) -> None:
+        self.timing = timing or EngineTiming()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._busy_until: float | None = None  # end of the iteration in progress
+        self._current: Sequence | None = None  # the sequence being prefilled, if any
+        self._clock = 0.0
+
+    @property
+    def num_running(self) -> int:
+        """Sequences in the batch (including one being prefilled)."""
+        return len(self.running) + (1 if self._current is not None else 0)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued FCFS, not yet prefilled."""
+        return len(self.waiting)
+
+    def submit(self, rid: str, prompt_tokens: int, output_tokens: int, now_ms: float) -> None:
+        """Queue a request at `now_ms`; call advance() first so time is in order."""
+        if prompt_tokens < 0 or output_tokens < 1:
+            raise ValueError("prompt_tokens must be >= 0 and output_tokens >= 1")
+        self.waiting.append(Sequence(rid, prompt_tokens, output_tokens, now_ms))
+        if self._busy_until is None:
+            self._clock = max(self._clock, now_ms)
+            self._start_iteration()
+
+    def cancel(self, rid: str) -> bool:
+        """Drop a sequence (client went away); True if it was inside."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.rid == rid:
+                    queue.remove(seq)
+                    return True
+        return False
+
+    def next_event_ms(self) -> float | None:
+        """When the iteration in progress ends, or None when idle."""
+        return self._busy_until
+
+    def advance(self, now_ms: float) -> list[EngineEvent]:
+        """Complete every iteration that ends at or before `now_ms`."""
+        events: list[EngineEvent] = []
+        while self._busy_until is not None and self._busy_until <= now_ms:
+            self._clock = self._busy_until
+            self._finish_iteration(events)
+            self._start_iteration()
+        return events
+
+    def remaining_work_ms(self) -> float:
+        """Exact time to drain everything inside, assuming no new arrivals (oracle)."""
+        probe = EngineModel(self.timing)
+        probe.waiting = deque(
+            Sequence(s.rid, s.prompt_tokens, s.output_tokens, s.arrived_ms, s.generated)
+            for s in self.waiting
+        )
+        probe.running = [
+            Sequence(s.rid, s.prompt_tokens, s.output_tokens, s.arrived_ms, s.generated)
+            for s in self.running
+        ]
+        probe._clock = self._clock
+        probe._busy_until = self._busy_until
+        if self._current is not None:
+            c = self._current
+            probe._current = Sequence(c.rid, c.prompt_tokens, c.output_tokens, c.arrived_ms)
+        elif self._busy_until is None and (probe.waiting or probe.running):
+            probe._start_iteration()
+        end = self._clock
+        while probe._busy_until is not None:
+            end = probe._busy_until
+            probe.advance(end)
+        return max(0.0, end - self._clock)
+
+    def _start_iteration(self) -> None:
+        t = self.timing
+        if self.waiting and len(self.running) < t.max_batch:
+            self._current = self.waiting.popleft()
+            self._busy_until = self._clock + t.prefill_ms(self._current.prompt_tokens)
+        elif self.running:
+            self._current = None
+            self._busy_until = self._clock + t.step_ms(len(self.running))
+        else:
+            self._current = None
+            self._busy_until = None
+
+    def _finish_iteration(self, events: list[EngineEvent]) -> None:
+        now = self._clock
+        if self._current is not None:
+            seq, self._current = self._current, None
+            seq.generated = 1
+            seq.first_token_ms = now
+            events.append(EngineEvent("first_token", seq.rid, now, 1))
+            if seq.generated >= seq.output_tokens:
+                seq.finished_ms = now
+                events.append(EngineEvent("done", seq.rid, now, seq.generated))
+            else:
+                self.running.append(seq)
+            return
+        still: list[Sequence] = []
+        for seq in self.running:
+            seq.generated += 1
+            events.append(EngineEvent("token", seq.rid, now, seq.generated))
+            if seq.generated >= seq.output_tokens:
+                seq.finished_ms = now
+                events.append(EngineEvent("done", seq.rid, now, seq.generated))
+            else:
+                still.append(seq)
+        self.running = still
