@@ -73,7 +73,10 @@ class Settings:
     queue_timeout_ms: int = 5_000  # longest wait for a slot under the queue policy
     redis_timeout_ms: int = 100  # socket timeout of every Redis call
     recovery_interval_ms: int = 500  # how often a degraded node probes Redis
-    snapshot_max_age_ms: int = 0  # reuse the piggybacked cache if younger (0 = always read)
+    # Every script reply piggybacks the pool's changes, so a busy node's cache is
+    # never older than its last call; reserve re-checks versions, so a slightly old
+    # view can cost a retry but never herding. An idle node re-reads after this.
+    snapshot_max_age_ms: int = 25  # 0 = read the snapshot before every decision
     strategy: str = "least_load"  # default selection strategy
     weights: Weights = field(default_factory=Weights)
 

@@ -39,6 +39,8 @@ class PoolCache:
     rows: dict[str, InstanceRow] = field(default_factory=dict)
     _specs: dict[str, InstanceSpec] = field(default_factory=dict)
     rows_applied: int = 0  # rows decoded from deltas since start (for benchmarks)
+    dirty: set[str] = field(default_factory=set)  # ids changed since the ranker last synced
+    membership: int = 0  # bumps whenever an id is added or removed
 
     def since(self) -> tuple[int, str]:
         """Arguments for the next delta request."""
@@ -51,6 +53,7 @@ class PoolCache:
         if run_id != self.run_id:
             # Redis lost the pool (restart, failover to an empty replica): start over.
             self.rows.clear()
+            self.membership += 1
             self.run_id = run_id
             self.version = 0
             if not int(full):
@@ -69,6 +72,7 @@ class PoolCache:
             removed_version = int(raw[2]) if len(raw) > 2 else 0
             if current is not None and removed_version >= current.version:
                 del self.rows[iid]
+                self.membership += 1
             return
         version = int(raw[10])
         if current is not None and version < current.version:
@@ -85,6 +89,9 @@ class PoolCache:
         for i in range(11, len(raw) - 2, 3):
             hints[_text(raw[i])] = Hint(float(raw[i + 1]), int(raw[i + 2]))
         earliest = int(raw[9])
+        if current is None:
+            self.membership += 1
+        self.dirty.add(iid)
         self.rows[iid] = InstanceRow(
             id=iid,
             spec=spec,

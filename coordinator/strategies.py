@@ -143,6 +143,8 @@ def _rank_by_score(
     rows: Sequence[InstanceLoad], scores: dict[str, Score], rr: RoundRobin
 ) -> list[InstanceLoad]:
     """Order by total; the tied minimum rotates; unknown totals go last (rotated)."""
+    if not rows:
+        return []
     known = sorted(
         (r for r in rows if scores[r.id].total is not None),
         key=lambda r: (scores[r.id].total, r.id),

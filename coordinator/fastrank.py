@@ -1,0 +1,201 @@
+"""Vectorized least_load ranking over the node's cache, for large pools.
+
+`strategies.least_load` is the reference: a pure function over InstanceLoad rows.
+Building those rows costs O(instances) Python objects per decision, so the hot path
+keeps the cache in numpy columns instead, updates only the rows a delta changed, and
+ranks with array arithmetic; the result (order, totals, tie rotation) is identical to
+the reference, which tests/test_fastrank.py checks on random pools. Only the top-k
+candidates are materialized as InstanceLoad rows with their Score objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import numpy.typing as npt
+
+from coordinator.models import HINT_NAMES, InstanceLoad, InstanceRow
+from coordinator.pressure import instance_load
+from coordinator.settings import Weights
+from coordinator.snapshot import PoolCache
+from coordinator.strategies import (
+    INSTANTANEOUS,
+    LAYERS,
+    LIFECYCLE,
+    PREDICTED,
+    TIE_EPSILON,
+    RoundRobin,
+    Score,
+)
+
+Floats = npt.NDArray[np.float64]
+NAN = float("nan")
+
+
+class ColumnarPool:
+    """The cache's rows as numpy columns, in id order (the reference's tie order)."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.index: dict[str, int] = {}
+        self._membership = -1
+        self._cols: dict[str, Floats] = {}
+
+    def sync(self, cache: PoolCache) -> None:
+        """Bring the columns up to date with the cache: O(changed rows)."""
+        if cache.membership != self._membership:
+            self.ids = sorted(cache.rows)
+            self.index = {iid: i for i, iid in enumerate(self.ids)}
+            n = len(self.ids)
+            names = (
+                "inflight",
+                "pending",
+                "decode",
+                "prefill_free_at",
+                "earliest_end",
+                "max_slots",
+                "last_seen",
+                "timed",
+                "mixed",
+                "weight",
+                *HINT_NAMES,
+                *(f"{h}_at" for h in HINT_NAMES),
+            )
+            self._cols = {name: np.full(n, NAN) for name in names}
+            self._membership = cache.membership
+            dirty = set(self.ids)
+        else:
+            dirty = cache.dirty
+        for iid in dirty:
+            i = self.index.get(iid)
+            row = cache.rows.get(iid)
+            if i is not None and row is not None:
+                self._set_row(i, row)
+        cache.dirty = set()
+
+    def _set_row(self, i: int, row: InstanceRow) -> None:
+        c = self._cols
+        c["inflight"][i] = row.inflight
+        c["pending"][i] = row.pending_prefill
+        c["decode"][i] = row.active_decode
+        c["prefill_free_at"][i] = row.prefill_free_at_ms
+        c["earliest_end"][i] = NAN if row.earliest_end_at_ms is None else row.earliest_end_at_ms
+        c["max_slots"][i] = row.max_slots
+        c["last_seen"][i] = row.last_seen_ms
+        c["timed"][i] = 1.0 if row.spec.has_timing else 0.0
+        c["mixed"][i] = 1.0 if row.spec.role == "mixed" else 0.0
+        c["weight"][i] = row.spec.weight
+        for name in HINT_NAMES:
+            hint = row.hints.get(name)
+            c[name][i] = NAN if hint is None else hint.value
+            c[f"{name}_at"][i] = NAN if hint is None else hint.at_ms
+
+    def rank_least_load(
+        self,
+        cache: PoolCache,
+        now: int,
+        weights: Weights,
+        rr: RoundRobin,
+        *,
+        instance_ttl_ms: int,
+        hint_ttl_ms: int,
+        k: int,
+        picks: dict[str, int] | None = None,
+    ) -> tuple[list[InstanceLoad], dict[str, Score]]:
+        """The reference least_load's first k candidates and their scores."""
+        self.sync(cache)
+        c = self._cols
+        inflight = c["inflight"].copy()
+        pending = c["pending"].copy()
+        for iid, extra in (picks or {}).items():
+            i = self.index.get(iid)
+            if i is not None:
+                inflight[i] += extra
+                pending[i] += extra
+        eligible = np.flatnonzero((now - c["last_seen"] <= instance_ttl_ms) & (c["mixed"] == 1.0))
+        if eligible.size == 0:
+            return [], {}
+        timed = c["timed"][eligible] == 1.0
+        infl = inflight[eligible]
+        prefill_free = np.where(timed, np.maximum(0.0, c["prefill_free_at"][eligible] - now), NAN)
+        max_slots = c["max_slots"][eligible]
+        has_room = (max_slots <= 0) | (infl < max_slots)
+        end = c["earliest_end"][eligible]
+        next_slot = np.where(
+            has_room, 0.0, np.where(timed & ~np.isnan(end), np.maximum(0.0, end - now), NAN)
+        )
+        backlog = np.maximum(prefill_free, next_slot)  # NaN if either is NaN
+        known_pred = ~np.isnan(backlog)
+        values: dict[str, Floats] = {
+            "inflight": infl,
+            "pending_prefill": np.where(known_pred, pending[eligible], NAN),
+            "active_decode": np.where(known_pred, c["decode"][eligible], NAN),
+            "backlog_ms": backlog,
+        }
+        for name in INSTANTANEOUS:
+            at = c[f"{name}_at"][eligible]
+            fresh = ~np.isnan(at) & (np.maximum(0.0, now - at) <= hint_ttl_ms)
+            values[name] = np.where(fresh, c[name][eligible], NAN)
+        used = [
+            name
+            for names in (LIFECYCLE, INSTANTANEOUS, PREDICTED)
+            for name in names
+            if not np.isnan(values[name]).any()
+        ]
+        wmap = weights.as_dict()
+        total = np.zeros(eligible.size)
+        for name in used:
+            total = total + wmap[name] * values[name]
+        total = total / c["weight"][eligible]
+        order = self._top(total, eligible, rr, k)
+        chosen = eligible[order]
+        sources = {
+            layer: ("hints" if layer == "instantaneous" else "reservations")
+            if any(n in used for n in names)
+            else "missing"
+            for layer, names in LAYERS.items()
+        }
+        loads: list[InstanceLoad] = []
+        scores: dict[str, Score] = {}
+        for pos, i in zip(order, chosen, strict=True):
+            iid = self.ids[int(i)]
+            row = cache.rows[iid]
+            extra = (picks or {}).get(iid, 0)
+            if extra:
+                row = replace(
+                    row, inflight=row.inflight + extra, pending_prefill=row.pending_prefill + extra
+                )
+            loads.append(
+                instance_load(row, now, instance_ttl_ms=instance_ttl_ms, hint_ttl_ms=hint_ttl_ms)
+            )
+            raw = {name: _num(values[name][pos]) for name in wmap}
+            weighted = {name: wmap[name] * float(values[name][pos]) for name in used}
+            scores[iid] = Score(iid, float(total[pos]), raw, weighted, dict(sources), wmap)
+        return loads, scores
+
+    @staticmethod
+    def _top(total: Floats, eligible: npt.NDArray[np.intp], rr: RoundRobin, k: int) -> list[int]:
+        """Positions of the first k: tied minimum rotated by rr, then (total, id) order."""
+        best = float(total.min())
+        tied = np.flatnonzero(total - best <= TIE_EPSILON)
+        tied = tied[np.lexsort((eligible[tied], total[tied]))]
+        shift = rr.take() % tied.size
+        head = [int(p) for p in np.concatenate((tied[shift:], tied[:shift]))[:k]]
+        need = k - len(head)
+        if need <= 0:
+            return head
+        rest_mask = np.ones(total.size, dtype=bool)
+        rest_mask[tied] = False
+        rest = np.flatnonzero(rest_mask)
+        if rest.size > need:
+            part = np.argpartition(total[rest], need - 1)[:need]
+            # argpartition may split equal totals arbitrarily; widen to every equal value.
+            cutoff = total[rest][part].max()
+            rest = rest[total[rest] <= cutoff]
+        rest = rest[np.lexsort((eligible[rest], total[rest]))][:need]
+        return head + [int(p) for p in rest]
+
+
+def _num(value: float) -> float | None:
+    return None if np.isnan(value) else float(value)
