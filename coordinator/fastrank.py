@@ -10,6 +10,7 @@ candidates are materialized as InstanceLoad rows with their Score objects.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -158,8 +159,10 @@ class ColumnarPool:
         }
         loads: list[InstanceLoad] = []
         scores: dict[str, Score] = {}
-        for pos, i in zip(order, chosen, strict=True):
-            iid = self.ids[int(i)]
+        picked = {name: values[name][order].tolist() for name in wmap}
+        totals = total[order].tolist()
+        for j, i in enumerate(chosen.tolist()):
+            iid = self.ids[i]
             row = cache.rows[iid]
             extra = (picks or {}).get(iid, 0)
             if extra:
@@ -169,9 +172,9 @@ class ColumnarPool:
             loads.append(
                 instance_load(row, now, instance_ttl_ms=instance_ttl_ms, hint_ttl_ms=hint_ttl_ms)
             )
-            raw = {name: _num(values[name][pos]) for name in wmap}
-            weighted = {name: wmap[name] * float(values[name][pos]) for name in used}
-            scores[iid] = Score(iid, float(total[pos]), raw, weighted, dict(sources), wmap)
+            raw = {name: None if math.isnan(v[j]) else v[j] for name, v in picked.items()}
+            weighted = {name: wmap[name] * picked[name][j] for name in used}
+            scores[iid] = Score(iid, totals[j], raw, weighted, dict(sources), wmap)
         return loads, scores
 
     @staticmethod
@@ -195,7 +198,3 @@ class ColumnarPool:
             rest = rest[total[rest] <= cutoff]
         rest = rest[np.lexsort((eligible[rest], total[rest]))][:need]
         return head + [int(p) for p in rest]
-
-
-def _num(value: float) -> float | None:
-    return None if np.isnan(value) else float(value)
