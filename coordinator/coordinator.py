@@ -7,6 +7,7 @@ import logging
 import random
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, replace
@@ -109,7 +110,9 @@ class Coordinator:
         self._columns = [key.encode() for key in self.keys.columns]
         self._node_rids = self.keys.node_rids(node_id).encode()
         self._cache = PoolCache()
-        self._rr = RoundRobin()
+        # Nodes start their rotation at different places (stable per node id), so
+        # simultaneous first picks of an idle pool rarely collide.
+        self._rr = RoundRobin(zlib.crc32(node_id.encode()))
         self._rng = random.Random(seed)
         self._local: dict[str, LocalReservation] = {}
         self._pending_releases: set[str] = set()
