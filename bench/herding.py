@@ -27,7 +27,7 @@ from mdsection import write_section
 
 from coordinator import Coordinator, InstanceSpec, Settings
 from coordinator.embedded import EmbeddedRedis
-from coordinator.strategies import RoundRobin, least_load
+from coordinator.strategies import RoundRobin, eligible, least_load
 
 STRATEGIES = ("least_load", "power_of_two", "round_robin", "local_least_inflight")
 SETTINGS = Settings(instance_ttl_ms=600_000, redis_timeout_ms=5_000)
@@ -56,7 +56,7 @@ async def _burst(
                     engine_waiting=None,
                     queue_depth=None,
                 )
-                for r in rows
+                for r in eligible(snap.rows)
             ]
             pick = least_load(rows, SETTINGS.weights, rr).ranked[0].id
             own[pick] += 1
