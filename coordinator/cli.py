@@ -11,7 +11,16 @@ from collections.abc import Sequence
 # name -> (module, one-line help). Each module defines
 #   add_arguments(parser: argparse.ArgumentParser) -> None
 #   run(args: argparse.Namespace) -> int
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "bench": (
+        "coordinator.bench_cli",
+        "Run benchmarks: scheduling quality and coordination overhead.",
+    ),
+    "serve": ("proxy_node.serve", "Run one proxy node: service plane and control plane."),
+    "demo": ("proxy_node.demo", "Start a local cluster and drive a bursty workload through it."),
+    "cluster": ("proxy_node.cluster", "Run Redis, proxy nodes and mock engines locally."),
+    "mock-engine": ("proxy_node.mock_engine", "Run a mock OpenAI-compatible inference engine."),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,29 +1,82 @@
-"""Build the redis-py asyncio client for a URL (redis://, rediss://, unix://)."""
+"""Build the redis-py asyncio client for a URL.
+
+Accepted forms:
+- `redis://[user:password@]host:port/db`, `rediss://...` (TLS), `unix:///path.sock`
+- `redis+cluster://[user:password@]host:port[,host:port...]` — Redis Cluster; every
+  pool lives in one hash slot through its `{pool}` tag
+- `redis+sentinel://[user:password@]host:port[,host:port...]/master-name[/db]` — the
+  master that the sentinels name, followed across failovers
+"""
 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import unquote
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.sentinel import Sentinel
 
 from coordinator.errors import InvalidArgumentError
 from coordinator.settings import Settings
 
-SCHEMES = ("redis://", "rediss://", "unix://")
+SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "redis+sentinel://")
 
 
-def connect_redis(url: str, settings: Settings) -> Redis:
+def connect_redis(url: str, settings: Settings) -> Any:
     """A client whose every call times out after settings.redis_timeout_ms."""
-    if not url.startswith(SCHEMES):
+    if not isinstance(url, str) or not url.startswith(SCHEMES):
         raise InvalidArgumentError(f"redis URL must start with one of {SCHEMES}, got {url!r}")
     timeout = settings.redis_timeout_ms / 1000
     options: dict[str, Any] = {
         "socket_timeout": timeout,
         "socket_connect_timeout": max(timeout, 0.5),
         "decode_responses": True,
-        "health_check_interval": 0,
     }
-    return Redis.from_url(url, **options)
+    if url.startswith("redis+cluster://"):
+        user, password, hosts, _ = _split_multi(url)
+        return RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in hosts],
+            username=user,
+            password=password,
+            **options,
+        )
+    if url.startswith("redis+sentinel://"):
+        user, password, hosts, path = _split_multi(url)
+        parts = [p for p in path.split("/") if p]
+        if not parts:
+            raise InvalidArgumentError("a sentinel URL needs the master name: .../mymaster[/db]")
+        db = int(parts[1]) if len(parts) > 1 else 0
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            hosts,
+            sentinel_kwargs={"socket_timeout": max(timeout, 0.5)},
+            username=user,
+            password=password,
+            db=db,
+            **options,
+        )
+        return sentinel.master_for(parts[0])
+    return Redis.from_url(url, health_check_interval=0, **options)
+
+
+def _split_multi(url: str) -> tuple[str | None, str | None, list[tuple[str, int]], str]:
+    """(user, password, [(host, port)], path) of a multi-host URL."""
+    rest = url.split("://", 1)[1]
+    netloc, _, path = rest.partition("/")
+    user = password = None
+    if "@" in netloc:
+        creds, netloc = netloc.rsplit("@", 1)
+        name, _, secret = creds.partition(":")
+        user, password = (unquote(name) or None), (unquote(secret) or None)
+    hosts = []
+    for item in filter(None, netloc.split(",")):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgumentError(f"bad host:port {item!r} in {redact(url)}")
+        hosts.append((host, int(port)))
+    if not hosts:
+        raise InvalidArgumentError(f"no host in {redact(url)}")
+    return user, password, hosts, path
 
 
 def redact(url: str) -> str:

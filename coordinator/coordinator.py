@@ -13,8 +13,14 @@ from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any
 
-from redis.asyncio import Redis
-from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import (
+    BusyLoadingError,
+    ClusterDownError,
+    MasterDownError,
+    RedisClusterException,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -39,7 +45,16 @@ from coordinator.strategies import Ranking, RoundRobin, eligible, rank
 
 log = logging.getLogger(__name__)
 
-UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
+UNAVAILABLE = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    BusyLoadingError,
+    ClusterDownError,
+    TryAgainError,
+    MasterDownError,
+    RedisClusterException,
+    OSError,
+)
 MAX_TOKENS = 10_000_000
 
 
@@ -84,7 +99,7 @@ class Coordinator:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: Any,
         *,
         pool: str,
         node_id: str | None = None,

@@ -1,0 +1,33 @@
+"""`coordinator bench`: benchmarks, one module per sub-subcommand, loaded on demand."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> (module, one-line help). Each module defines
+#   add_arguments(parser: argparse.ArgumentParser) -> None
+#   run(args: argparse.Namespace) -> int
+BENCHES: dict[str, tuple[str, str]] = {
+    "sim": ("coordinator.sim.cli", "discrete-event simulation of strategies over a trace"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One nested subparser per benchmark."""
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, (module_name, help_text) in BENCHES.items():
+        module = importlib.import_module(module_name)
+        child = sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+        module.add_arguments(child)
+        child.set_defaults(_bench_module=module)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark."""
+    return int(args._bench_module.run(args))

@@ -1,0 +1,210 @@
+"""An in-memory pool with the semantics of the Lua scripts, for the simulator.
+
+It mirrors coordinator/lua/{_lib,register,heartbeat,reserve,mark_first_token,
+release}.lua operation by operation, so `coordinator.pressure.instance_load` and
+`coordinator.strategies` run unchanged on the `InstanceRow`s it produces. Times are
+integer ms passed in by the caller (the simulated Redis clock). Left out, because
+the simulator never exercises them: TTLs and leases, epochs bumps (every record's
+epoch matches), max_slots enforcement, and the candidate/version race of reserve
+(simulated decisions are serialized, so the first candidate always wins).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.models import HINT_NAMES, Hint, InstanceRow, InstanceSpec
+
+
+@dataclass(slots=True)
+class SimReservation:
+    """A reservation record, the fields of reserve.lua's JSON."""
+
+    rid: str
+    instance: str
+    epoch: int
+    node: str
+    phase: str
+    prompt_tokens: int
+    expected_output_tokens: int
+    prefill_ms: int
+    decode_ms: int
+    created_ms: int
+    first_token_at_ms: int
+    end_at_ms: int
+    predicted_ttft_ms: int
+
+
+@dataclass(slots=True)
+class _Instance:
+    spec: InstanceSpec
+    epoch: int
+    last_seen_ms: int
+    max_slots: int
+    inflight: int = 0
+    pending_prefill: int = 0
+    active_decode: int = 0
+    pending_prefill_ms: int = 0
+    prefill_free_at_ms: int = 0
+    version: int = 0
+    hints: dict[str, Hint] = field(default_factory=dict)
+    ends: dict[str, int] = field(default_factory=dict)  # rid -> end_at_ms (by_instance)
+    row: InstanceRow | None = None  # cached; dropped on every change
+
+
+class SharedState:
+    """One pool's reservations and counters, as Redis holds them."""
+
+    def __init__(self) -> None:
+        self.version = 0  # the pool version (meta.version)
+        self._instances: dict[str, _Instance] = {}
+        self._reservations: dict[str, SimReservation] = {}
+
+    def _touch(self, inst: _Instance) -> None:
+        self.version += 1
+        inst.version += 1
+        inst.row = None
+
+    def register(self, spec: InstanceSpec, now_ms: int) -> int:
+        """register.lua for a new instance (or an update at the same epoch); the epoch."""
+        inst = self._instances.get(spec.id)
+        if inst is None:
+            inst = _Instance(spec, spec.epoch or 1, now_ms, spec.max_slots)
+            inst.prefill_free_at_ms = now_ms
+            self._instances[spec.id] = inst
+        else:
+            inst.spec = spec
+            inst.max_slots = spec.max_slots
+            inst.last_seen_ms = now_ms
+        self._touch(inst)
+        return inst.epoch
+
+    def heartbeat(
+        self, instance_id: str, now_ms: int, hints: dict[str, float] | None = None
+    ) -> None:
+        """heartbeat.lua: refresh liveness and store the hints given (others keep theirs)."""
+        inst = self._instances[instance_id]
+        inst.last_seen_ms = now_ms
+        for name, value in (hints or {}).items():
+            if name not in HINT_NAMES:
+                raise ValueError(f"unknown hint {name!r}")
+            inst.hints[name] = Hint(float(value), now_ms)
+        self._touch(inst)
+
+    def reserve(
+        self,
+        rid: str,
+        node: str,
+        instance_id: str,
+        prompt_tokens: int,
+        expected_output_tokens: int,
+        prefill_ms: int,
+        decode_ms: int,
+        now_ms: int,
+    ) -> tuple[str, SimReservation]:
+        """reserve.lua on one candidate: ('ok'|'dup', the record)."""
+        existing = self._reservations.get(rid)
+        if existing is not None:
+            return "dup", existing
+        inst = self._instances[instance_id]
+        start = max(now_ms, inst.prefill_free_at_ms)
+        first_token_at = start + prefill_ms
+        end_at = first_token_at + decode_ms
+        inst.prefill_free_at_ms = first_token_at
+        inst.inflight += 1
+        inst.pending_prefill += 1
+        inst.pending_prefill_ms += prefill_ms
+        rec = SimReservation(
+            rid,
+            instance_id,
+            inst.epoch,
+            node,
+            "prefill",
+            prompt_tokens,
+            expected_output_tokens,
+            prefill_ms,
+            decode_ms,
+            now_ms,
+            first_token_at,
+            end_at,
+            first_token_at - now_ms,
+        )
+        self._reservations[rid] = rec
+        inst.ends[rid] = end_at
+        self._touch(inst)
+        return "ok", rec
+
+    def mark_first_token(self, rid: str, now_ms: int) -> bool:
+        """mark_first_token.lua: prefill -> decode; False (noop) when unknown or done."""
+        rec = self._reservations.get(rid)
+        if rec is None or rec.phase != "prefill":
+            return False
+        inst = self._instances[rec.instance]
+        rec.phase = "decode"
+        rec.first_token_at_ms = now_ms
+        rec.end_at_ms = now_ms + rec.decode_ms
+        inst.ends[rid] = rec.end_at_ms
+        if inst.pending_prefill > 0:
+            inst.pending_prefill -= 1
+        inst.active_decode += 1
+        inst.pending_prefill_ms -= rec.prefill_ms
+        self._rechain(inst, now_ms)
+        self._touch(inst)
+        return True
+
+    def release(self, rid: str, now_ms: int) -> bool:
+        """release.lua: drop the reservation and its counters; False (noop) when unknown."""
+        rec = self._reservations.pop(rid, None)
+        if rec is None:
+            return False
+        inst = self._instances[rec.instance]
+        del inst.ends[rid]
+        if inst.inflight > 0:
+            inst.inflight -= 1
+        if rec.phase == "prefill":
+            if inst.pending_prefill > 0:
+                inst.pending_prefill -= 1
+            inst.pending_prefill_ms -= rec.prefill_ms
+            self._rechain(inst, now_ms)
+        elif inst.active_decode > 0:
+            inst.active_decode -= 1
+        self._touch(inst)
+        return True
+
+    @staticmethod
+    def _rechain(inst: _Instance, now_ms: int) -> None:
+        # _lib.lua rechain_prefill: the cursor restarts from now behind what is left.
+        inst.pending_prefill_ms = max(0, inst.pending_prefill_ms)
+        inst.prefill_free_at_ms = now_ms + inst.pending_prefill_ms
+
+    def reservation(self, rid: str) -> SimReservation | None:
+        """The live record of `rid`, if any."""
+        return self._reservations.get(rid)
+
+    def pending_prefill_ms(self, instance_id: str) -> int:
+        """The pending_prefill_ms column of one instance."""
+        return self._instances[instance_id].pending_prefill_ms
+
+    def row(self, instance_id: str) -> InstanceRow:
+        """The instance's row exactly as a snapshot delta would carry it."""
+        inst = self._instances[instance_id]
+        if inst.row is None:
+            inst.row = InstanceRow(
+                id=instance_id,
+                spec=inst.spec,
+                epoch=inst.epoch,
+                last_seen_ms=inst.last_seen_ms,
+                max_slots=inst.max_slots,
+                inflight=inst.inflight,
+                pending_prefill=inst.pending_prefill,
+                active_decode=inst.active_decode,
+                prefill_free_at_ms=inst.prefill_free_at_ms,
+                earliest_end_at_ms=min(inst.ends.values()) if inst.ends else None,
+                version=inst.version,
+                hints=dict(inst.hints),
+            )
+        return inst.row
+
+    def rows(self) -> list[InstanceRow]:
+        """Every instance's row, in registration order."""
+        return [self.row(iid) for iid in self._instances]
