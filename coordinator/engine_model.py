@@ -89,6 +89,7 @@ class EngineModel:
         self.running: list[Sequence] = []
         self._busy_until: float | None = None  # end of the iteration in progress
         self._current: Sequence | None = None  # the sequence being prefilled, if any
+        self._current_cancelled = False
         self._clock = 0.0
 
     @property
@@ -112,6 +113,9 @@ class EngineModel:
 
     def cancel(self, rid: str) -> bool:
         """Drop a sequence (client went away); True if it was inside."""
+        if self._current is not None and self._current.rid == rid:
+            self._current_cancelled = True  # the prefill in progress still takes its time
+            return True
         for queue in (self.waiting, self.running):
             for seq in queue:
                 if seq.rid == rid:
@@ -132,8 +136,9 @@ class EngineModel:
             self._start_iteration()
         return events
 
-    def remaining_work_ms(self) -> float:
-        """Exact time to drain everything inside, assuming no new arrivals (oracle)."""
+    def remaining_work_ms(self, now_ms: float | None = None) -> float:
+        """Exact time from `now_ms` (default: the last iteration boundary) to drain
+        everything inside, assuming no new arrivals (the oracle's knowledge)."""
         probe = EngineModel(self.timing)
         probe.waiting = deque(
             Sequence(s.rid, s.prompt_tokens, s.output_tokens, s.arrived_ms, s.generated)
@@ -148,13 +153,15 @@ class EngineModel:
         if self._current is not None:
             c = self._current
             probe._current = Sequence(c.rid, c.prompt_tokens, c.output_tokens, c.arrived_ms)
+            probe._current_cancelled = self._current_cancelled
         elif self._busy_until is None and (probe.waiting or probe.running):
             probe._start_iteration()
         end = self._clock
         while probe._busy_until is not None:
             end = probe._busy_until
             probe.advance(end)
-        return max(0.0, end - self._clock)
+        start = self._clock if now_ms is None else max(now_ms, self._clock)
+        return max(0.0, end - start)
 
     def _start_iteration(self) -> None:
         t = self.timing
@@ -172,6 +179,9 @@ class EngineModel:
         now = self._clock
         if self._current is not None:
             seq, self._current = self._current, None
+            if self._current_cancelled:
+                self._current_cancelled = False
+                return
             seq.generated = 1
             seq.first_token_ms = now
             events.append(EngineEvent("first_token", seq.rid, now, 1))
