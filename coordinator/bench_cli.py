@@ -9,7 +9,10 @@ import importlib
 #   add_arguments(parser: argparse.ArgumentParser) -> None
 #   run(args: argparse.Namespace) -> int
 BENCHES: dict[str, tuple[str, str]] = {
-    "sim": ("coordinator.sim.cli", "discrete-event simulation of strategies over a trace"),
+    "sim": (
+        "coordinator.sim.cli",
+        "Simulate every strategy over a trace (discrete-event, deterministic).",
+    ),
 }
 
 

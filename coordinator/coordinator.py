@@ -231,16 +231,18 @@ class Coordinator:
         """Register or update an instance; a higher epoch voids older reservations."""
         if not isinstance(spec, InstanceSpec):
             raise InvalidArgumentError("register_instance expects an InstanceSpec")
-        self._registered[spec.id] = spec
         try:
             reply = await self._call(
                 "register", [spec.id, spec.to_json(), spec.max_slots, spec.epoch]
             )
         except CoordinationUnavailableError:
+            # Re-asserted when Redis answers again; a refused (fenced) spec never is.
+            self._registered[spec.id] = spec
             self._remember_locally(spec)
             return RegisterResult(spec.id, spec.epoch or 1, "local", 0)
         status, epoch, voided = str(reply[0]), int(reply[1]), int(reply[2])
         self._registered[spec.id] = replace(spec, epoch=epoch)
+        self._cache.invalidate()
         if voided:
             self._forget_instance_epochs(spec.id, epoch)
         return RegisterResult(spec.id, epoch, status, voided)
@@ -418,11 +420,18 @@ class Coordinator:
         s = self.settings
         if self._degraded:
             raise CoordinationUnavailableError("coordination is degraded")
-        if s.snapshot_max_age_ms == 0 or self._cache.age_ms() > s.snapshot_max_age_ms:
+        refreshed = s.snapshot_max_age_ms == 0 or self._cache.age_ms() > s.snapshot_max_age_ms
+        if refreshed:
             await self.refresh()
         for attempt in range(s.reserve_retries + 1):
             ranking = self._rank_for_reserve(strategy)
             candidates = ranking.ranked[: s.top_k]
+            if not candidates and not refreshed:
+                # A young cache may predate a registration: look again before a 503.
+                await self.refresh()
+                refreshed = True
+                ranking = self._rank_for_reserve(strategy)
+                candidates = ranking.ranked[: s.top_k]
             if not candidates:
                 raise NoInstanceError("no alive instance in pool " + self.pool)
             force = attempt == s.reserve_retries
@@ -484,9 +493,10 @@ class Coordinator:
         prefill_ms, decode_ms = int(reply[4]), int(reply[5])
         row = self._cache.rows.get(iid)
         url = row.spec.url if row else ""
-        self._local[rid] = LocalReservation(
-            rid, iid, epoch, "prefill", prompt, expected, prefill_ms, decode_ms, in_redis=True
-        )
+        if rid not in self._local:  # a duplicate rid keeps the phase this node knows
+            self._local[rid] = LocalReservation(
+                rid, iid, epoch, "prefill", prompt, expected, prefill_ms, decode_ms, in_redis=True
+            )
         timed = row is not None and row.spec.has_timing
         return Reservation(
             rid,
@@ -573,7 +583,9 @@ class Coordinator:
             raise InvalidArgumentError(f"rid {rid!r} is not a valid id")
         res = self._local.pop(rid, None)
         if self._degraded:
-            if res is not None and res.in_redis:
+            # Even a reservation made while degraded: a re-assert may be restoring it
+            # right now, and a release of an unknown rid is a no-op anyway.
+            if res is not None:
                 self._pending_releases.add(rid)
             return res is not None
         try:

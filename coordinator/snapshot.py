@@ -40,6 +40,9 @@ class PoolCache:
     _specs: dict[str, InstanceSpec] = field(default_factory=dict)
     rows_applied: int = 0  # rows decoded from deltas since start (for benchmarks)
     dirty: set[str] = field(default_factory=set)  # ids changed since the ranker last synced
+    # Version of each tombstone applied, so a late reply cannot resurrect the row.
+    _removed: dict[str, int] = field(default_factory=dict)
+    _stale: bool = False
     membership: int = 0  # bumps whenever an id is added or removed
 
     def since(self) -> tuple[int, str]:
@@ -53,6 +56,7 @@ class PoolCache:
         if run_id != self.run_id:
             # Redis lost the pool (restart, failover to an empty replica): start over.
             self.rows.clear()
+            self._removed.clear()
             self.membership += 1
             self.run_id = run_id
             self.version = 0
@@ -63,6 +67,7 @@ class PoolCache:
         self.version = max(self.version, int(version))
         self.now_ms = max(self.now_ms, int(now_ms))
         self.refreshed_mono = time.monotonic()
+        self._stale = False
 
     def _apply_row(self, raw: list[Any]) -> None:
         iid = _text(raw[0])
@@ -73,9 +78,12 @@ class PoolCache:
             if current is not None and removed_version >= current.version:
                 del self.rows[iid]
                 self.membership += 1
+            self._removed[iid] = max(removed_version, self._removed.get(iid, 0))
             return
         version = int(raw[10])
         if current is not None and version < current.version:
+            return
+        if version <= self._removed.get(iid, -1):
             return
         spec_json = _text(raw[1])
         spec = self._specs.get(spec_json)
@@ -107,12 +115,18 @@ class PoolCache:
             hints=hints,
         )
 
+    def invalidate(self) -> None:
+        """Force the next decision to re-read (after a change that carried no delta)."""
+        self._stale = True
+
     def estimated_now_ms(self) -> int:
         """Redis time now, extrapolated from the last reply with the local monotonic clock."""
         return self.now_ms + int((time.monotonic() - self.refreshed_mono) * 1000)
 
     def age_ms(self) -> float:
-        """Milliseconds since the last delta was applied."""
+        """Milliseconds since the last delta was applied (infinite once invalidated)."""
+        if self._stale:
+            return float("inf")
         return (time.monotonic() - self.refreshed_mono) * 1000
 
 

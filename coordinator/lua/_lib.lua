@@ -78,7 +78,7 @@ local function drop_reservation(rid, rec, now)
   if num(K_INFLIGHT, id) > 0 then redis.call('HINCRBY', K_INFLIGHT, id, -1) end
   if rec.phase == 'prefill' then
     if num(K_PENDING, id) > 0 then redis.call('HINCRBY', K_PENDING, id, -1) end
-    redis.call('HINCRBY', K_PENDING_MS, id, -rec.prefill_ms)
+    redis.call('HINCRBY', K_PENDING_MS, id, 0 - rec.prefill_ms)  -- never '-0': Redis rejects it
     rechain_prefill(id, now)
   else
     if num(K_DECODE, id) > 0 then redis.call('HINCRBY', K_DECODE, id, -1) end

@@ -22,7 +22,7 @@ redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, rec.end_at_ms, ARGV[1]))
 if tonumber(redis.call('HGET', K_EPOCH, id) or '-1') == rec.epoch then
   if num(K_PENDING, id) > 0 then redis.call('HINCRBY', K_PENDING, id, -1) end
   redis.call('HINCRBY', K_DECODE, id, 1)
-  redis.call('HINCRBY', K_PENDING_MS, id, -rec.prefill_ms)
+  redis.call('HINCRBY', K_PENDING_MS, id, 0 - rec.prefill_ms)  -- never '-0': Redis rejects it
   rechain_prefill(id, now)
   touch(id, now)
 end

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
+from typing import Any
 
 from coordinator.errors import InvalidArgumentError
 from coordinator.settings import Settings, Weights
@@ -31,6 +33,17 @@ def _weights(text: str) -> Weights:
         return Weights.parse(text)
     except InvalidArgumentError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _finite(value: Any) -> Any:
+    """NaN (a metric with no sample) becomes null: JSON has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,8 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weights",
         type=_weights,
-        default=Weights(),
-        help="least_load weights as name=value,... (defaults are the seed's)",
+        default=None,
+        help="least_load weights as name=value,...; unnamed ones keep the seed's defaults",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -110,7 +123,8 @@ def command(args: argparse.Namespace) -> list[str]:
     if args.max_slots != -1:
         cmd += ["--max-slots", str(args.max_slots)]
     defaults = Weights().as_dict()
-    changed = {k: v for k, v in args.weights.as_dict().items() if v != defaults[k]}
+    weights = args.weights or Weights()
+    changed = {k: v for k, v in weights.as_dict().items() if v != defaults[k]}
     if changed:
         cmd += ["--weights", ",".join(f"{k}={v:g}" for k, v in changed.items())]
     return cmd
@@ -127,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
             expected_output=args.expected_output,
             max_slots=args.max_slots,
             seed=args.seed,
-            weights=args.weights,
+            weights=args.weights or Weights(),
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -155,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result.as_dict(), indent=2, allow_nan=False, default=str))
+        print(json.dumps(_finite(result.as_dict()), indent=2, allow_nan=False))
     else:
         print(markdown(result, command(args)))
     return 0

@@ -169,7 +169,8 @@ def describe(run: SimRun) -> str:
     util = "as recorded" if run.utilization is None else f"{run.utilization:g}"
     return (
         f"{n} requests from `{Path(run.trace).name}`"
-        f"{f' (first {run.limit})' if run.limit else ''}, utilization {util} "
+        f"{f' (the first {run.limit})' if run.limit and n >= run.limit else ''}, "
+        f"utilization {util} "
         f"(offered {run.offered:.3f}, arrivals over {run.span_ms / 1000:,.1f} s), "
         f"{c.instances} instances, {c.nodes} nodes, hints every {c.hint_interval_ms:g} ms, "
         f"expected output `{c.expected_output}`, max_slots {c.registered_max_slots}, "

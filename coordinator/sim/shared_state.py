@@ -4,7 +4,7 @@ It mirrors coordinator/lua/{_lib,register,heartbeat,reserve,mark_first_token,
 release}.lua operation by operation, so `coordinator.pressure.instance_load` and
 `coordinator.strategies` run unchanged on the `InstanceRow`s it produces. Times are
 integer ms passed in by the caller (the simulated Redis clock). Left out, because
-the simulator never exercises them: TTLs and leases, epochs bumps (every record's
+the simulator never exercises them: TTLs and leases, epoch bumps (every record's
 epoch matches), max_slots enforcement, and the candidate/version race of reserve
 (simulated decisions are serialized, so the first candidate always wins).
 """

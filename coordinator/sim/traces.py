@@ -108,7 +108,7 @@ def _output(value: Any, where: str) -> int:
 def _csv_rows(text: str, source: str) -> Iterator[tuple[float, int, int]]:
     reader = csv.reader(io.StringIO(text))
     header = next(reader, None)
-    if header is None or tuple(h.strip() for h in header[:3]) != CSV_COLUMNS:
+    if header is None or tuple(h.strip().lstrip("\ufeff") for h in header[:3]) != CSV_COLUMNS:
         raise TraceError(f"{source}:1: expected the CSV header {','.join(CSV_COLUMNS)}")
     base: datetime | None = None
     for line_no, fields in enumerate(reader, start=2):
