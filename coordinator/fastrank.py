@@ -107,22 +107,27 @@ class ColumnarPool:
         """The reference least_load's first k candidates and their scores."""
         self.sync(cache)
         c = self._cols
-        inflight = c["inflight"].copy()
-        pending = c["pending"].copy()
-        for iid, extra in (picks or {}).items():
-            i = self.index.get(iid)
-            if i is not None:
-                inflight[i] += extra
-                pending[i] += extra
+        inflight, pending = c["inflight"], c["pending"]
+        if picks:
+            inflight, pending = inflight.copy(), pending.copy()
+            for iid, extra in picks.items():
+                i = self.index.get(iid)
+                if i is not None:
+                    inflight[i] += extra
+                    pending[i] += extra
         eligible = np.flatnonzero((now - c["last_seen"] <= instance_ttl_ms) & (c["mixed"] == 1.0))
         if eligible.size == 0:
             return [], {}
-        timed = c["timed"][eligible] == 1.0
-        infl = inflight[eligible]
-        prefill_free = np.where(timed, np.maximum(0.0, c["prefill_free_at"][eligible] - now), NAN)
-        max_slots = c["max_slots"][eligible]
+        # Every row eligible (the usual case): views instead of fancy-indexed copies.
+        sel: slice | npt.NDArray[np.intp] = (
+            slice(None) if eligible.size == len(self.ids) else eligible
+        )
+        timed = c["timed"][sel] == 1.0
+        infl = inflight[sel]
+        prefill_free = np.where(timed, np.maximum(0.0, c["prefill_free_at"][sel] - now), NAN)
+        max_slots = c["max_slots"][sel]
         has_room = (max_slots <= 0) | (infl < max_slots)
-        end = c["earliest_end"][eligible]
+        end = c["earliest_end"][sel]
         next_slot = np.where(
             has_room, 0.0, np.where(timed & ~np.isnan(end), np.maximum(0.0, end - now), NAN)
         )
@@ -130,14 +135,18 @@ class ColumnarPool:
         known_pred = ~np.isnan(backlog)
         values: dict[str, Floats] = {
             "inflight": infl,
-            "pending_prefill": np.where(known_pred, pending[eligible], NAN),
-            "active_decode": np.where(known_pred, c["decode"][eligible], NAN),
+            "pending_prefill": np.where(known_pred, pending[sel], NAN),
+            "active_decode": np.where(known_pred, c["decode"][sel], NAN),
             "backlog_ms": backlog,
         }
         for name in INSTANTANEOUS:
-            at = c[f"{name}_at"][eligible]
-            fresh = ~np.isnan(at) & (np.maximum(0.0, now - at) <= hint_ttl_ms)
-            values[name] = np.where(fresh, c[name][eligible], NAN)
+            at = c[f"{name}_at"][sel]
+            missing = np.isnan(at)
+            if missing.all():
+                values[name] = at  # all NaN: the hint is nowhere
+                continue
+            fresh = ~missing & (np.maximum(0.0, now - at) <= hint_ttl_ms)
+            values[name] = np.where(fresh, c[name][sel], NAN)
         used = [
             name
             for names in (LIFECYCLE, INSTANTANEOUS, PREDICTED)
