@@ -131,7 +131,9 @@ class Coordinator:
         self._rng = random.Random(seed)
         self._local: dict[str, LocalReservation] = {}
         self._pending_releases: set[str] = set()
-        self._picks: dict[str, int] = {}  # first candidates of reserve calls in flight
+        # One decision at a time per node: concurrent decisions of one node would all
+        # rank on the same view and pick the same instance (herding within a node).
+        self._decide = asyncio.Lock()
         self._columns_view = ColumnarPool()
         self._registered: dict[str, InstanceSpec] = {}
         self._degraded = False
@@ -317,27 +319,15 @@ class Coordinator:
                 await self.refresh()
         return self._current_snapshot()
 
-    def _current_snapshot(self, *, with_picks: bool = False) -> Snapshot:
-        """Score inputs from the cache (degraded: local counters, no predicted layer).
-
-        `with_picks` counts this node's reserve calls still in flight on their first
-        candidate, so concurrent decisions of one node do not all pick the same instance.
-        """
+    def _current_snapshot(self) -> Snapshot:
+        """Score inputs from the cache (degraded: local counters, no predicted layer)."""
         s = self.settings
         if not self._degraded:
             now = self._cache.now_ms
-            rows = []
-            for r in self._cache.rows.values():
-                extra = self._picks.get(r.id, 0) if with_picks else 0
-                if extra:
-                    r = replace(
-                        r, inflight=r.inflight + extra, pending_prefill=r.pending_prefill + extra
-                    )
-                rows.append(
-                    instance_load(
-                        r, now, instance_ttl_ms=s.instance_ttl_ms, hint_ttl_ms=s.hint_ttl_ms
-                    )
-                )
+            rows = [
+                instance_load(r, now, instance_ttl_ms=s.instance_ttl_ms, hint_ttl_ms=s.hint_ttl_ms)
+                for r in self._cache.rows.values()
+            ]
             return Snapshot(now, self._cache.version, rows, "ok")
         now = self._cache.estimated_now_ms()
         counts: dict[str, list[int]] = {}
@@ -417,6 +407,12 @@ class Coordinator:
     async def _reserve_shared(
         self, rid: str, prompt: int, expected: int, strategy: str | None
     ) -> Reservation:
+        async with self._decide:
+            return await self._decide_and_reserve(rid, prompt, expected, strategy)
+
+    async def _decide_and_reserve(
+        self, rid: str, prompt: int, expected: int, strategy: str | None
+    ) -> Reservation:
         s = self.settings
         if self._degraded:
             raise CoordinationUnavailableError("coordination is degraded")
@@ -434,7 +430,8 @@ class Coordinator:
                 candidates = ranking.ranked[: s.top_k]
             if not candidates:
                 raise NoInstanceError("no alive instance in pool " + self.pool)
-            force = attempt == s.reserve_retries
+            # With one candidate there is nothing to spread over: no point retrying.
+            force = attempt == s.reserve_retries or len(candidates) == 1
             args: list[Any] = [
                 rid,
                 self.node_id,
@@ -447,15 +444,16 @@ class Coordinator:
                 len(candidates),
             ]
             for c in candidates:
-                args += [c.id, c.version, c.spec.prefill_ms(prompt), c.spec.decode_ms(expected)]
-            pick = candidates[0].id
-            self._picks[pick] = self._picks.get(pick, 0) + 1
-            try:
-                reply = await self._call("reserve", args, (self._node_rids,))
-            finally:
-                self._picks[pick] -= 1
-                if not self._picks[pick]:
-                    del self._picks[pick]
+                row = self._cache.rows[c.id]
+                args += [
+                    c.id,
+                    c.version,
+                    c.spec.prefill_ms(prompt),
+                    c.spec.decode_ms(expected),
+                    row.inflight,
+                    row.pending_prefill,
+                ]
+            reply = await self._call("reserve", args, (self._node_rids,))
             self._cache.apply(reply[-1])
             status = str(reply[0])
             if status in ("ok", "dup"):
@@ -471,7 +469,7 @@ class Coordinator:
         """least_load through the vectorized ranker; other strategies on full rows."""
         name = strategy or self.settings.strategy
         if name != "least_load":
-            return self.rank(self._current_snapshot(with_picks=True), name)
+            return self.rank(self._current_snapshot(), name)
         s = self.settings
         ranked, scores = self._columns_view.rank_least_load(
             self._cache,
@@ -481,7 +479,6 @@ class Coordinator:
             instance_ttl_ms=s.instance_ttl_ms,
             hint_ttl_ms=s.hint_ttl_ms,
             k=s.top_k,
-            picks=self._picks,
         )
         return Ranking(ranked, scores, "least_load")
 
@@ -655,6 +652,9 @@ class Coordinator:
     async def _reassert(self) -> None:
         """Idempotently restore this node's state, then leave degraded mode."""
         direct = self._direct_call
+        pool = getattr(self.redis, "connection_pool", None)
+        if pool is not None:  # connections from before a restart are dead: drop them all
+            await pool.disconnect()
         await direct("renew_lease", [self.node_id, self.settings.lease_ms])
         for spec in list(self._registered.values()):
             with suppress(EpochFencedError):

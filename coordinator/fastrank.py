@@ -11,7 +11,6 @@ candidates are materialized as InstanceLoad rows with their Score objects.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
@@ -102,19 +101,11 @@ class ColumnarPool:
         instance_ttl_ms: int,
         hint_ttl_ms: int,
         k: int,
-        picks: dict[str, int] | None = None,
     ) -> tuple[list[InstanceLoad], dict[str, Score]]:
         """The reference least_load's first k candidates and their scores."""
         self.sync(cache)
         c = self._cols
         inflight, pending = c["inflight"], c["pending"]
-        if picks:
-            inflight, pending = inflight.copy(), pending.copy()
-            for iid, extra in picks.items():
-                i = self.index.get(iid)
-                if i is not None:
-                    inflight[i] += extra
-                    pending[i] += extra
         eligible = np.flatnonzero((now - c["last_seen"] <= instance_ttl_ms) & (c["mixed"] == 1.0))
         if eligible.size == 0:
             return [], {}
@@ -173,11 +164,6 @@ class ColumnarPool:
         for j, i in enumerate(chosen.tolist()):
             iid = self.ids[i]
             row = cache.rows[iid]
-            extra = (picks or {}).get(iid, 0)
-            if extra:
-                row = replace(
-                    row, inflight=row.inflight + extra, pending_prefill=row.pending_prefill + extra
-                )
             loads.append(
                 instance_load(row, now, instance_ttl_ms=instance_ttl_ms, hint_ttl_ms=hint_ttl_ms)
             )

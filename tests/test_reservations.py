@@ -128,7 +128,7 @@ async def test_bad_input_writes_nothing(make_coordinator: MakeCoordinator) -> No
     with pytest.raises(ScriptArgumentError, match="prompt_tokens"):
         await c._call(
             "reserve",
-            ["r1", "n1", "-5", "1", 0, 0, 1000, 0, "", 1, "i0", 1, 0, 0],
+            ["r1", "n1", "-5", "1", 0, 0, 1000, 0, "", 1, "i0", 1, 0, 0, 0, 0],
             (c.keys.node_rids("n1"),),
         )
     with pytest.raises(ScriptArgumentError):

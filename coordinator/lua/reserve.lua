@@ -11,7 +11,8 @@
 -- ARGV[8] = since: pool version for the piggybacked delta
 -- ARGV[9] = run_id the caller last saw
 -- ARGV[10] = n, the number of candidates; then n groups of
---   {instance id, observed version, prefill_ms (ms), decode_ms (ms)}
+--   {instance id, observed version, prefill_ms (ms), decode_ms (ms),
+--    observed inflight, observed pending_prefill}
 -- returns {'ok'|'dup', instance, epoch, predicted_ttft_ms, prefill_ms, decode_ms, delta}
 --       | {'stale', delta}            every candidate changed since it was observed
 --       | {'full', next_slot_in_ms, delta}  every alive candidate is at max_slots
@@ -29,15 +30,17 @@ if ttl == nil then return fail('bad_arg', 'ttl_ms') end
 local since = int_arg(ARGV[8])
 if since == nil then return fail('bad_arg', 'since') end
 local n = int_arg(ARGV[10], 64)
-if n == nil or n < 1 or #ARGV ~= 10 + 4 * n then
-  return fail('bad_arg', 'candidates: expected n >= 1 groups of 4')
+if n == nil or n < 1 or #ARGV ~= 10 + 6 * n then
+  return fail('bad_arg', 'candidates: expected n >= 1 groups of 6')
 end
 local candidates = {}
 for i = 1, n do
-  local base = 10 + 4 * (i - 1)
+  local base = 10 + 6 * (i - 1)
   local c = {id = ARGV[base + 1], version = int_arg(ARGV[base + 2]),
-    prefill_ms = int_arg(ARGV[base + 3], 86400000), decode_ms = int_arg(ARGV[base + 4], 86400000)}
-  if not valid_id(c.id) or c.version == nil or c.prefill_ms == nil or c.decode_ms == nil then
+    prefill_ms = int_arg(ARGV[base + 3], 86400000), decode_ms = int_arg(ARGV[base + 4], 86400000),
+    inflight = int_arg(ARGV[base + 5]), pending = int_arg(ARGV[base + 6])}
+  if not valid_id(c.id) or c.version == nil or c.prefill_ms == nil or c.decode_ms == nil
+      or c.inflight == nil or c.pending == nil then
     return fail('bad_arg', 'candidate ' .. i)
   end
   candidates[i] = c
@@ -51,8 +54,9 @@ if existing then
     delta(since, ARGV[9], now)}
 end
 
--- Unforced: the first alive candidate whose version is unchanged. Forced (the last
--- try): the alive candidate with the fewest live reservations right now, first on ties.
+-- Unforced: the first alive candidate that is no busier than the caller saw it: its
+-- version is unchanged, or only work left it (first tokens, releases). Forced (the
+-- last try): the alive candidate with the fewest live reservations now, first on ties.
 local saw_alive, saw_full, min_slot_ms = false, false, nil
 local chosen, chosen_inflight = nil, nil
 for _, c in ipairs(candidates) do
@@ -68,7 +72,8 @@ for _, c in ipairs(candidates) do
       if min_slot_ms == nil or wait < min_slot_ms then min_slot_ms = wait end
     elseif force then
       if chosen == nil or inflight < chosen_inflight then chosen, chosen_inflight = c, inflight end
-    elseif num(K_VERSION, c.id) == c.version then
+    elseif num(K_VERSION, c.id) == c.version
+        or (inflight <= c.inflight and num(K_PENDING, c.id) <= c.pending) then
       chosen = c
       break
     end

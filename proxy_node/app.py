@@ -1,0 +1,245 @@
+"""The proxy node's aiohttp applications: the service plane and the control plane.
+
+`create_app` builds the service plane and owns every resource (one cleanup_ctx each:
+the Coordinator and its Redis client, the shared ClientSession, the static-instance
+keep-alive task, the hint scraper task). `create_control_app` builds the control
+plane, served on its own port, over the same Coordinator: start it after the service
+app and stop it before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import suppress
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from coordinator import Coordinator
+from coordinator.strategies import eligible, score_rows
+from proxy_node import control, hints, static
+from proxy_node.config import NodeConfig
+from proxy_node.errors import json_errors
+from proxy_node.forwarding import completions
+from proxy_node.metrics import NodeMetrics
+from proxy_node.state import (
+    CONFIG,
+    COORDINATOR,
+    METRICS,
+    SERVICE_APP,
+    SESSION,
+    STATE,
+    NodeState,
+    service_of,
+)
+
+log = logging.getLogger(__name__)
+
+MODELS_CACHE_S = 5.0  # how long the union of the engines' /v1/models is reused
+MODELS_TIMEOUT_S = 2.0  # one engine's /v1/models; a slow engine is left out
+BODY_SLACK_BYTES = 64 * 1024  # aiohttp's own cap sits above ours so we answer 413 as JSON
+
+IDENTITY = {"Accept-Encoding": "identity"}  # the session does not decompress
+
+INJECTED = web.AppKey("coordinator_injected", bool)
+
+
+def package_version() -> str:
+    """The installed package's version (for /metrics and logs)."""
+    try:
+        return version("llm-load-coordinator")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def create_app(config: NodeConfig, coordinator: Coordinator | None = None) -> web.Application:
+    """The service plane. An injected Coordinator is used as is and not closed on cleanup."""
+    app = web.Application(
+        client_max_size=config.max_body_bytes + BODY_SLACK_BYTES, middlewares=[json_errors]
+    )
+    app[CONFIG] = config
+    app[STATE] = NodeState()
+    app[INJECTED] = coordinator is not None
+    if coordinator is not None:
+        app[COORDINATOR] = coordinator
+    app.cleanup_ctx.append(_coordinator_ctx)
+    app.cleanup_ctx.append(_session_ctx)
+    app.cleanup_ctx.append(_static_instances_ctx)
+    app.cleanup_ctx.append(_hint_scraper_ctx)
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def create_control_app(service: web.Application) -> web.Application:
+    """The control plane: registration, heartbeats, debug views, over the service's state."""
+    config = service[CONFIG]
+    app = web.Application(middlewares=[json_errors, control.require_token(config.token)])
+    app[SERVICE_APP] = service
+    control.add_routes(app)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+# ---------------------------------------------------------------------- resources
+
+
+async def _coordinator_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    if not app[INJECTED]:
+        app[COORDINATOR] = await Coordinator.connect(
+            config.redis_url,
+            pool=config.pool,
+            node_id=config.node_id,
+            settings=config.settings,
+            background=False,
+        )
+    coordinator = app[COORDINATOR]
+    coordinator.start_background()
+    app[METRICS] = NodeMetrics(coordinator.node_id, coordinator.pool, package_version())
+    app[METRICS].bind(coordinator)
+    log.info(
+        "node %s serving pool %s (%s)",
+        coordinator.node_id,
+        coordinator.pool,
+        coordinator.coordination,
+    )
+    yield
+    await app[STATE].drain()
+    if not app[INJECTED]:
+        await coordinator.close()
+
+
+async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
+    # No connection cap: a pool of streaming requests would otherwise queue inside
+    # the connector, invisible to the coordinator. auto_decompress=False passes the
+    # engine's bytes through unchanged, Content-Encoding included.
+    # Accept-Encoding is never added by aiohttp: only a client that asked gets gzip.
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    async with aiohttp.ClientSession(
+        connector=connector, auto_decompress=False, skip_auto_headers=("Accept-Encoding",)
+    ) as session:
+        app[SESSION] = session
+        yield
+
+
+async def _static_instances_ctx(app: web.Application) -> AsyncIterator[None]:
+    config, coordinator = app[CONFIG], app[COORDINATOR]
+    specs = static.static_specs(config.instances)
+    if not specs:
+        yield
+        return
+    await static.register_all(coordinator, specs)
+    interval = coordinator.settings.heartbeat_interval_ms / 1000
+    task = asyncio.create_task(
+        static.keep_alive(coordinator, specs, interval), name="static-instances"
+    )
+    yield
+    task.cancel()
+    with suppress(asyncio.CancelledError):
+        await task
+
+
+async def _hint_scraper_ctx(app: web.Application) -> AsyncIterator[None]:
+    interval = app[CONFIG].scrape_interval_s
+    if interval <= 0:
+        yield
+        return
+    task = asyncio.create_task(
+        hints.scrape_loop(app[COORDINATOR], app[SESSION], interval), name="hint-scraper"
+    )
+    yield
+    task.cancel()
+    with suppress(asyncio.CancelledError):
+        await task
+
+
+# ---------------------------------------------------------------------- handlers
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """GET /healthz: node identity, coordination state, alive instances."""
+    coordinator = service_of(request.app)[COORDINATOR]
+    snap = await coordinator.snapshot()
+    return web.json_response(
+        {
+            "status": "ok",
+            "node_id": coordinator.node_id,
+            "pool": coordinator.pool,
+            "coordination": coordinator.coordination,
+            "alive_instances": sum(1 for row in snap.rows if row.alive),
+        }
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text, pressure gauges refreshed from a snapshot now."""
+    service = service_of(request.app)
+    coordinator = service[COORDINATOR]
+    snap = await coordinator.snapshot()
+    # Scored directly (not through rank()): a scrape must not advance the rotation.
+    scores = score_rows(eligible(snap.rows), coordinator.settings.weights)
+    node_metrics = service[METRICS]
+    node_metrics.observe_snapshot(snap, scores)
+    return web.Response(body=node_metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def models(request: web.Request) -> web.Response:
+    """GET /v1/models: the union of the alive instances' models (cached briefly)."""
+    app = request.app
+    state = app[STATE]
+    loop = asyncio.get_running_loop()
+    async with state.models_lock:
+        if loop.time() - state.models_at > MODELS_CACHE_S:
+            state.models = await _collect_models(app[COORDINATOR], app[SESSION])
+            state.models_at = loop.time()
+        data = list(state.models)
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _collect_models(
+    coordinator: Coordinator, session: aiohttp.ClientSession
+) -> list[dict[str, Any]]:
+    snap = await coordinator.snapshot()
+    alive = [row for row in snap.rows if row.alive]
+    fetched = await asyncio.gather(
+        *(_instance_models(session, row.url) for row in alive if row.spec.model is None),
+        return_exceptions=True,
+    )
+    seen: dict[str, dict[str, Any]] = {}
+    for row in alive:
+        if row.spec.model is not None:
+            seen.setdefault(
+                row.spec.model,
+                {"id": row.spec.model, "object": "model", "created": 0, "owned_by": "coordinator"},
+            )
+    for result in fetched:
+        if isinstance(result, BaseException):
+            log.debug("fetching models failed: %r", result)
+            continue
+        for entry in result:
+            seen.setdefault(entry["id"], entry)
+    return sorted(seen.values(), key=lambda m: str(m["id"]))
+
+
+async def _instance_models(session: aiohttp.ClientSession, url: str) -> list[dict[str, Any]]:
+    timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)
+    async with session.get(
+        url.rstrip("/") + "/v1/models", timeout=timeout, headers=IDENTITY
+    ) as resp:
+        if resp.status != 200:
+            raise ValueError(f"{url}/v1/models answered {resp.status}")
+        doc = await resp.json(content_type=None)
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list):
+        raise ValueError(f"{url}/v1/models: no data list")
+    return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

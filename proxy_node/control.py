@@ -1,0 +1,255 @@
+"""The control plane: instance registration and heartbeats, and the debug views.
+
+Writes (POST, PUT, PATCH, DELETE) need `Authorization: Bearer <token>` when the node
+has a token; reads stay open so dashboards and probes need no secret.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from coordinator import Coordinator
+from coordinator.errors import (
+    CoordinationUnavailableError,
+    EpochFencedError,
+    InvalidArgumentError,
+    UnknownInstanceError,
+)
+from coordinator.keys import ID_RE
+from coordinator.models import HINT_NAMES, InstanceSpec
+from coordinator.settings import STRATEGIES
+from proxy_node.errors import Handler, json_error
+from proxy_node.state import COORDINATOR, SERVICE_APP
+from proxy_node.views import instance_loads_view
+
+WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+DEFAULT_RESERVATIONS_LIMIT = 1000  # rows of /debug/reservations unless ?limit= says otherwise
+MAX_RESERVATIONS_LIMIT = 100_000  # a debug read must stay bounded
+
+
+def require_token(token: str | None) -> Any:
+    """Middleware: control-plane writes need the bearer token (when one is set)."""
+    expected = f"Bearer {token}".encode() if token else None
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if expected is not None and request.method in WRITE_METHODS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return json_error(
+                    401,
+                    "missing or wrong bearer token",
+                    "unauthorized",
+                    {"WWW-Authenticate": "Bearer"},
+                )
+        return await handler(request)
+
+    return middleware
+
+
+def add_routes(app: web.Application) -> None:
+    """Register the control-plane routes on an app."""
+    app.router.add_post("/v1/instances", register)
+    app.router.add_get("/v1/instances", list_instances)
+    app.router.add_post("/v1/instances/{instance_id}/heartbeat", heartbeat)
+    app.router.add_delete("/v1/instances/{instance_id}", unregister)
+    app.router.add_get("/debug/instance_loads", instance_loads)
+    app.router.add_get("/debug/reservations", reservations)
+
+
+def _coordinator(request: web.Request) -> Coordinator:
+    return request.app[SERVICE_APP][COORDINATOR]
+
+
+async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
+    """The decoded body; raises a 400 response for malformed JSON."""
+    raw = await request.read()
+    if optional and not raw.strip():
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise _Reject(json_error(400, f"malformed JSON body: {exc}", "invalid_json")) from None
+
+
+class _Reject(Exception):
+    """Carries an error response out of a helper."""
+
+    def __init__(self, response: web.Response) -> None:
+        super().__init__(response.status)
+        self.response = response
+
+
+def _unavailable(exc: Exception) -> web.Response:
+    return json_error(
+        503, f"coordination unavailable: {exc}", "coordination_unavailable", {"Retry-After": "1"}
+    )
+
+
+async def register(request: web.Request) -> web.Response:
+    """POST /v1/instances: register (or update) an instance from an InstanceSpec body."""
+    coordinator = _coordinator(request)
+    try:
+        spec = InstanceSpec.from_dict(await _json_body(request))
+        result = await coordinator.register_instance(spec)
+    except _Reject as reject:
+        return reject.response
+    except InvalidArgumentError as exc:
+        return json_error(422, str(exc), "invalid_instance")
+    except EpochFencedError as exc:
+        return json_error(409, str(exc), "epoch_fenced")
+    s = coordinator.settings
+    return web.json_response(
+        {
+            "instance_id": result.instance_id,
+            "epoch": result.epoch,
+            "status": result.status,
+            "voided_reservations": result.voided_reservations,
+            "heartbeat_interval_s": s.heartbeat_interval_ms / 1000,
+            "ttl_s": s.instance_ttl_ms / 1000,
+        },
+        status=201,
+    )
+
+
+def _hints_of(body: Any) -> dict[str, Any]:
+    """Hints from `{name: n, ...}` or `{"hints": {name: n, ...}}`; raises InvalidArgumentError."""
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise InvalidArgumentError("a heartbeat body must be a JSON object")
+    if "hints" in body:
+        rest = set(body) - {"hints"}
+        if rest:
+            raise InvalidArgumentError(f"unexpected heartbeat fields next to hints: {sorted(rest)}")
+        body = body["hints"] if body["hints"] is not None else {}
+        if not isinstance(body, dict):
+            raise InvalidArgumentError("hints must be a JSON object")
+    unknown = set(body) - set(HINT_NAMES)
+    if unknown:
+        raise InvalidArgumentError(f"unknown hints {sorted(unknown)}; known: {list(HINT_NAMES)}")
+    return {k: v for k, v in body.items() if v is not None}
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    """POST /v1/instances/{id}/heartbeat: liveness plus optional engine hints."""
+    instance_id = request.match_info["instance_id"]
+    try:
+        hints = _hints_of(await _json_body(request, optional=True))
+    except _Reject as reject:
+        return reject.response
+    except InvalidArgumentError as exc:
+        return json_error(422, str(exc), "invalid_hints")
+    if not ID_RE.match(instance_id):
+        return json_error(404, f"unknown instance {instance_id!r}", "unknown_instance")
+    try:
+        epoch = await _coordinator(request).heartbeat_instance(instance_id, hints)
+    except UnknownInstanceError:
+        return json_error(404, f"unknown instance {instance_id!r}: register it", "unknown_instance")
+    except InvalidArgumentError as exc:
+        return json_error(422, str(exc), "invalid_hints")
+    except CoordinationUnavailableError as exc:
+        return _unavailable(exc)
+    return web.json_response({"epoch": epoch})
+
+
+async def unregister(request: web.Request) -> web.Response:
+    """DELETE /v1/instances/{id}: remove an instance (its reservations become void)."""
+    instance_id = request.match_info["instance_id"]
+    if not ID_RE.match(instance_id):
+        return json_error(404, f"unknown instance {instance_id!r}", "unknown_instance")
+    try:
+        voided = await _coordinator(request).unregister_instance(instance_id)
+    except UnknownInstanceError:
+        return json_error(404, f"unknown instance {instance_id!r}", "unknown_instance")
+    except CoordinationUnavailableError as exc:
+        return _unavailable(exc)
+    return web.json_response({"instance_id": instance_id, "voided_reservations": voided})
+
+
+async def list_instances(request: web.Request) -> web.Response:
+    """GET /v1/instances[?include_dead=true]: registered instances and their pressure."""
+    include_dead = request.query.get("include_dead", "false").lower() in ("1", "true", "yes")
+    coordinator = _coordinator(request)
+    rows = await coordinator.list_instances(include_dead=include_dead)
+    return web.json_response(
+        {
+            "pool": coordinator.pool,
+            "coordination": coordinator.coordination,
+            "instances": [row.as_dict() for row in rows],
+        }
+    )
+
+
+async def instance_loads(request: web.Request) -> web.Response:
+    """GET /debug/instance_loads[?strategy=]: the snapshot and scores selection uses."""
+    coordinator = _coordinator(request)
+    strategy = request.query.get("strategy", coordinator.settings.strategy)
+    if strategy not in STRATEGIES:
+        return json_error(400, f"strategy must be one of {STRATEGIES}", "invalid_strategy")
+    snapshot = await coordinator.snapshot()
+    ranking = coordinator.rank(snapshot, strategy)
+    view = instance_loads_view(
+        snapshot, ranking, coordinator.settings, coordinator.node_id, coordinator.pool
+    )
+    return web.json_response(view)
+
+
+async def reservations(request: web.Request) -> web.Response:
+    """GET /debug/reservations[?limit=]: live reservations (ids and numbers, no payloads)."""
+    coordinator = _coordinator(request)
+    try:
+        limit = int(request.query.get("limit", DEFAULT_RESERVATIONS_LIMIT))
+    except ValueError:
+        limit = -1
+    if not 1 <= limit <= MAX_RESERVATIONS_LIMIT:
+        return json_error(
+            400, f"limit must be an integer in 1..{MAX_RESERVATIONS_LIMIT}", "invalid_limit"
+        )
+    rows: list[dict[str, Any]] = []
+    truncated = False
+    # The snapshot carries the Redis time of the pool's own shard (TIME would not, on
+    # a cluster); reading the hash right after keeps the ages consistent with it.
+    now_ms = (await coordinator.snapshot()).now_ms
+    try:
+        key = coordinator.keys.column("reservations")
+        async for rid, raw in coordinator.redis.hscan_iter(key, count=500):
+            if len(rows) >= limit:
+                truncated = True
+                break
+            rows.append(_reservation_row(str(rid), raw, now_ms))
+    except (RedisError, OSError) as exc:
+        return _unavailable(exc)
+    rows.sort(key=lambda r: (-(r["age_ms"] or 0), r["rid"]))
+    return web.json_response(
+        {
+            "pool": coordinator.pool,
+            "generated_at": now_ms,
+            "coordination": coordinator.coordination,
+            "truncated": truncated,
+            "reservations": rows,
+        }
+    )
+
+
+def _reservation_row(rid: str, raw: Any, now_ms: int) -> dict[str, Any]:
+    try:
+        rec = json.loads(raw)
+    except (TypeError, ValueError):
+        rec = {}
+    if not isinstance(rec, dict):
+        rec = {}
+    created = rec.get("created_ms")
+    return {
+        "rid": rid,
+        "instance": rec.get("instance"),
+        "node": rec.get("node"),
+        "phase": rec.get("phase"),
+        "epoch": rec.get("epoch"),
+        "age_ms": now_ms - int(created) if isinstance(created, int | float) else None,
+    }

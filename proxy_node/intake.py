@@ -1,0 +1,59 @@
+"""What the node needs from a completion request body, or why it refuses it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from coordinator.coordinator import MAX_TOKENS
+from coordinator.tokens import max_output_tokens_of, prompt_tokens_of
+
+
+class RequestRejectedError(Exception):
+    """The body cannot be served; carries the HTTP status and error code to answer."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """The sizes a reservation needs, and whether the client asked for a stream."""
+
+    prompt_tokens: int
+    expected_output_tokens: int
+    stream: bool
+
+
+def parse_completion(
+    raw: bytes, prompt_tokens_header: str | None, default_output_tokens: int
+) -> CompletionRequest:
+    """Check a chat/completion body; raises RequestRejectedError (400) when unusable.
+
+    The prompt size comes from `X-Prompt-Tokens` when the client sends it (it may know
+    the exact count), else from the shared chars/4 rule. The expected output is the
+    client's cap, else the node's running average (`default_output_tokens`).
+    """
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise RequestRejectedError(400, f"malformed JSON body: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestRejectedError(400, "the request body must be a JSON object", "invalid_body")
+    if prompt_tokens_header is not None:
+        try:
+            prompt = int(prompt_tokens_header)
+        except ValueError:
+            prompt = -1
+        if not 0 <= prompt <= MAX_TOKENS:
+            raise RequestRejectedError(
+                400, f"X-Prompt-Tokens must be an integer in 0..{MAX_TOKENS}", "invalid_header"
+            )
+    else:
+        prompt = min(prompt_tokens_of(body), MAX_TOKENS)
+    cap = max_output_tokens_of(body)
+    expected = min(cap if cap is not None else default_output_tokens, MAX_TOKENS)
+    return CompletionRequest(prompt, expected, body.get("stream") is True)

@@ -1,0 +1,152 @@
+"""Prometheus metrics of one node, in a registry of its own (never the global one)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from coordinator import Coordinator
+from coordinator.snapshot import Snapshot
+from coordinator.strategies import Score
+
+DECISION_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# gauge name -> (help, InstanceLoad attribute)
+PRESSURE_GAUGES: dict[str, tuple[str, str]] = {
+    "proxy_instance_inflight": ("Live reservations on the instance", "inflight"),
+    "proxy_instance_pending_prefill": (
+        "Reservations waiting for their first token",
+        "pending_prefill_count",
+    ),
+    "proxy_instance_active_decode": ("Reservations in decode", "active_decode_count"),
+    "proxy_instance_predicted_backlog_ms": (
+        "Predicted wait before a new prefill can start, ms",
+        "predicted_total_backlog_ms",
+    ),
+}
+
+
+class PressureCollector(Collector):
+    """Per-instance pressure and coordination state, from the snapshot taken at scrape time."""
+
+    def __init__(self, pool: str) -> None:
+        self.pool = pool
+        self.coordinator: Coordinator | None = None
+        self.snapshot: Snapshot | None = None
+        self.scores: Mapping[str, Score] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield the gauges of the last snapshot (nothing before the first scrape)."""
+        labels = ["pool", "instance"]
+        rows = self.snapshot.rows if self.snapshot is not None else []
+        for name, (help_text, attr) in PRESSURE_GAUGES.items():
+            family = GaugeMetricFamily(name, help_text, labels=labels)
+            for row in rows:
+                value = getattr(row, attr)
+                if value is not None:
+                    family.add_metric([self.pool, row.id], float(value))
+            yield family
+        alive = GaugeMetricFamily(
+            "proxy_instance_alive", "1 while the instance is alive", labels=labels
+        )
+        score = GaugeMetricFamily(
+            "proxy_instance_least_load_score",
+            "least_load score of the instance (lower is chosen first)",
+            labels=labels,
+        )
+        for row in rows:
+            alive.add_metric([self.pool, row.id], 1.0 if row.alive else 0.0)
+            total = self.scores[row.id].total if row.id in self.scores else None
+            if total is not None:
+                score.add_metric([self.pool, row.id], total)
+        yield alive
+        yield score
+        if self.coordinator is None:
+            return
+        degraded = GaugeMetricFamily(
+            "proxy_coordination_degraded",
+            "1 while Redis is unreachable and the node runs on local state",
+            labels=["pool"],
+        )
+        degraded.add_metric(
+            [self.pool], 1.0 if self.coordinator.coordination == "degraded" else 0.0
+        )
+        yield degraded
+        stats = self.coordinator.stats
+        reaped = CounterMetricFamily(
+            "proxy_reservations_reaped",
+            "Reservations of expired nodes this node released",
+            labels=["pool"],
+        )
+        reaped.add_metric([self.pool], float(stats.reaped))
+        yield reaped
+        entries = CounterMetricFamily(
+            "proxy_coordination_degraded_entries",
+            "Times this node lost Redis and went degraded",
+            labels=["pool"],
+        )
+        entries.add_metric([self.pool], float(stats.degraded_entries))
+        yield entries
+        retries = CounterMetricFamily(
+            "proxy_reserve_retries",
+            "Reserve attempts whose candidates had all changed (re-scored)",
+            labels=["pool"],
+        )
+        retries.add_metric([self.pool], float(stats.reserve_retries))
+        yield retries
+
+
+class NodeMetrics:
+    """The metrics of one node; `render()` gives the exposition text."""
+
+    def __init__(self, node_id: str, pool: str, version: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "proxy_requests", "Service-plane requests by status", ["endpoint", "status"], registry=r
+        )
+        self.outcomes = Counter(
+            "proxy_request_outcomes",
+            "How proxied requests ended (completed, client_disconnect, upstream_error, ...)",
+            ["outcome"],
+            registry=r,
+        )
+        self.decisions = Histogram(
+            "proxy_decision_seconds",
+            "Time of one reserve call (snapshot + score + reserve)",
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "proxy_ttft_seconds",
+            "Time to first response byte as the proxy observes it (2xx only)",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.connect_retries = Counter(
+            "proxy_upstream_connect_retries",
+            "Requests retried on another instance after a connection failure",
+            registry=r,
+        )
+        self.info = Info("proxy_node", "Identity of this proxy node", registry=r)
+        self.info.info({"node_id": node_id, "pool": pool, "version": version})
+        self.pressure = PressureCollector(pool)
+        r.register(self.pressure)
+
+    def bind(self, coordinator: Coordinator) -> None:
+        """Read coordination state and stats from this coordinator at scrape time."""
+        self.pressure.coordinator = coordinator
+
+    def observe_snapshot(self, snapshot: Snapshot, scores: Mapping[str, Score]) -> None:
+        """Refresh the pressure gauges (call right before render)."""
+        self.pressure.snapshot = snapshot
+        self.pressure.scores = scores
+
+    def render(self) -> bytes:
+        """The text exposition of every metric of this node."""
+        return generate_latest(self.registry)

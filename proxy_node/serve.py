@@ -1,0 +1,188 @@
+"""`coordinator serve`: run one proxy node (service plane + control plane)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from contextlib import suppress
+from dataclasses import fields
+
+from aiohttp import web
+
+from coordinator.connection import redact
+from coordinator.errors import InvalidArgumentError
+from coordinator.settings import STRATEGIES, Settings
+from proxy_node.app import create_app, create_control_app
+from proxy_node.config import NodeConfig
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 30.0  # in-flight requests get this long to finish on SIGTERM
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `coordinator serve`; each can also come from the environment."""
+    d = NodeConfig()
+    # Defaults are SUPPRESSed so that an unset flag falls back to the environment,
+    # then to NodeConfig's default; the help text names both.
+    add = parser.add_argument
+    S = argparse.SUPPRESS
+    add(
+        "--redis-url",
+        default=S,
+        help="Redis URL: redis://, rediss:// (TLS), unix://, redis+cluster://h:p,h:p, "
+        "redis+sentinel://h:p,h:p/master; may carry user:password "
+        f"[env COORD_REDIS_URL or REDIS_URL; default {d.redis_url}]",
+    )
+    add(
+        "--pool",
+        default=S,
+        help=f"pool of instances to balance over [env COORD_POOL; default {d.pool}]",
+    )
+    add("--host", default=S, help=f"service plane bind address [env COORD_HOST; default {d.host}]")
+    add(
+        "--port",
+        type=int,
+        default=S,
+        help=f"service plane port (OpenAI API) [env COORD_PORT; default {d.port}]",
+    )
+    add(
+        "--control-host",
+        default=S,
+        help="control plane bind address [env COORD_CONTROL_HOST; default: same as --host]",
+    )
+    add(
+        "--control-port",
+        type=int,
+        default=S,
+        help="control plane port (registration, heartbeats, /debug) "
+        f"[env COORD_CONTROL_PORT; default {d.control_port}]",
+    )
+    add(
+        "--instance",
+        dest="instances",
+        action="append",
+        metavar="URL",
+        default=S,
+        help="static engine URL, registered at start with an id from host:port and kept "
+        "alive by this node; repeat for several [env COORD_INSTANCES, comma-separated]",
+    )
+    add(
+        "--strategy",
+        choices=STRATEGIES,
+        default=S,
+        help=f"selection strategy [env COORD_STRATEGY; default {d.settings.strategy}]",
+    )
+    add(
+        "--token",
+        default=S,
+        help="bearer token required for control-plane writes; prefer the environment, "
+        "command lines are visible to other users [env COORD_TOKEN; default: none, open]",
+    )
+    add(
+        "--node-id",
+        default=S,
+        help="this node's id in the pool [env COORD_NODE_ID; default: random per process]",
+    )
+    add(
+        "--max-body-bytes",
+        type=int,
+        default=S,
+        help=f"larger request bodies get 413 [env COORD_MAX_BODY_BYTES; default {d.max_body_bytes}]",
+    )
+    add(
+        "--request-timeout-s",
+        type=float,
+        default=S,
+        help="limit of one whole upstream exchange, streaming included "
+        f"[env COORD_REQUEST_TIMEOUT_S; default {d.request_timeout_s:g}]",
+    )
+    add(
+        "--scrape-interval-s",
+        type=float,
+        default=S,
+        help="period of engine /metrics scraping for hints, 0 = off "
+        f"[env COORD_SCRAPE_INTERVAL_S; default {d.scrape_interval_s:g}]",
+    )
+    knobs = ", ".join(
+        f"COORD_{f.name.upper()} ({getattr(Settings(), f.name) if f.name != 'weights' else 'name=value,...'})"
+        for f in fields(Settings)
+        if f.name != "strategy"
+    )
+    parser.epilog = (
+        "Coordinator knobs, from the environment only (default in parentheses): " + knobs + "."
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> NodeConfig:
+    """NodeConfig from flags over the environment; raises InvalidArgumentError."""
+    names = (
+        "redis_url",
+        "pool",
+        "host",
+        "port",
+        "control_host",
+        "control_port",
+        "instances",
+        "strategy",
+        "token",
+        "node_id",
+        "max_body_bytes",
+        "request_timeout_s",
+        "scrape_interval_s",
+    )
+    return NodeConfig.from_env(os.environ, **{n: getattr(args, n, None) for n in names})
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `coordinator serve`."""
+    try:
+        config = config_from_args(args)
+    except InvalidArgumentError as exc:
+        print(f"coordinator serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:  # typically a port already in use
+        print(f"coordinator serve: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def serve(config: NodeConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve both planes until SIGINT/SIGTERM (or until `stop` is set)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    service = create_app(config)
+    service_runner = web.AppRunner(service, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    await service_runner.setup()  # runs the cleanup contexts: the Coordinator exists after this
+    control_runner = web.AppRunner(create_control_app(service), shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    await control_runner.setup()
+    try:
+        await web.TCPSite(service_runner, config.host, config.port).start()
+        await web.TCPSite(control_runner, config.bind_control, config.control_port).start()
+        log.info(
+            "service plane on %s, control plane on %s, redis %s, pool %s, strategy %s%s",
+            _addresses(service_runner),
+            _addresses(control_runner),
+            redact(config.redis_url),
+            config.pool,
+            config.strategy,
+            "" if config.token else " (control plane open: no token)",
+        )
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await control_runner.cleanup()
+        await service_runner.cleanup()
+
+
+def _addresses(runner: web.AppRunner) -> str:
+    return ", ".join(f"http://{a[0]}:{a[1]}" for a in runner.addresses)

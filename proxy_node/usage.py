@@ -1,0 +1,55 @@
+"""Learning output lengths from relayed responses (for the expected-output average)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+USAGE_TAIL_BYTES = 16 * 1024  # stream tail kept to find the final `usage` chunk
+KEEP_JSON_BYTES = 1024 * 1024  # non-streaming bodies up to this size are parsed for usage
+
+
+class OutputCounter:
+    """Observes a successful response to learn its output length (for the average)."""
+
+    def __init__(self, stream: bool) -> None:
+        self.stream = stream
+        self.events = 0
+        self.done_events = 0
+        self.tail = b""
+        self.body = bytearray()
+        self.overflow = False
+
+    def feed(self, chunk: bytes) -> None:
+        """Take one relayed chunk."""
+        if self.stream:
+            self.events += chunk.count(b"data:")
+            self.done_events += chunk.count(b"[DONE]")
+            self.tail = (self.tail + chunk)[-USAGE_TAIL_BYTES:]
+        elif not self.overflow:
+            self.body += chunk
+            if len(self.body) > KEEP_JSON_BYTES:
+                self.overflow = True
+                self.body.clear()
+
+    def tokens(self) -> int | None:
+        """usage.completion_tokens when the engine sent it, else the count of SSE chunks."""
+        if self.stream:
+            for line in reversed(self.tail.split(b"\n")):
+                line = line.strip()
+                if line.startswith(b"data:") and b'"usage"' in line:
+                    usage = _completion_tokens(line[5:])
+                    if usage is not None:
+                        return usage
+            return max(0, self.events - self.done_events) or None
+        return None if self.overflow else _completion_tokens(bytes(self.body))
+
+
+def _completion_tokens(raw: bytes) -> int | None:
+    try:
+        doc: Any = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    value = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

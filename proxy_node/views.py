@@ -1,0 +1,52 @@
+"""JSON views shared by the control plane and the operator tooling (`coordinator inspect`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coordinator.models import HINT_NAMES
+from coordinator.settings import Settings
+from coordinator.snapshot import Snapshot
+from coordinator.strategies import Ranking
+
+
+def instance_loads_view(
+    snapshot: Snapshot, ranking: Ranking, settings: Settings, node_id: str, pool: str
+) -> dict[str, Any]:
+    """What `/debug/instance_loads` serves: the snapshot and the scores selection used.
+
+    Every instance of the snapshot appears (dead ones too, with `rank` None); `rank` is
+    the position in the strategy's ranking, `least_load_score` the Score it was ranked
+    by (None for a candidate the strategy did not score, e.g. outside power_of_two's
+    sample). Numbers and names only: never a request payload.
+    """
+    positions = {row.id: i for i, row in enumerate(ranking.ranked)}
+    instances = []
+    for row in snapshot.rows:
+        data = row.as_dict()
+        fresh = {name: getattr(row, name) for name in HINT_NAMES}
+        data["hints"] = {
+            name: {
+                "value": fresh[name],
+                "age_ms": row.hint_ages_ms[name],
+                "fresh": fresh[name] is not None,
+            }
+            for name in HINT_NAMES
+            if name in row.hint_ages_ms
+        }
+        score = ranking.scores.get(row.id)
+        data["least_load_score"] = score.as_dict() if score is not None else None
+        data["rank"] = positions.get(row.id)
+        instances.append(data)
+    return {
+        "generated_at": snapshot.now_ms,
+        "version": snapshot.version,
+        "coordination": snapshot.coordination,
+        "node_id": node_id,
+        "pool": pool,
+        "strategy": ranking.strategy,
+        "weights": settings.weights.as_dict(),
+        "hint_ttl_ms": settings.hint_ttl_ms,
+        "instance_ttl_ms": settings.instance_ttl_ms,
+        "instances": instances,
+    }

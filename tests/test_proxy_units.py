@@ -1,0 +1,116 @@
+"""Pure pieces of the proxy node: request intake, output-length learning, header filters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy_node.headers import copy_response_headers, request_headers
+from proxy_node.intake import CompletionRequest, RequestRejectedError, parse_completion
+from proxy_node.state import INITIAL_OUTPUT_TOKENS, NodeState
+from proxy_node.usage import OutputCounter
+
+
+def sse(doc: object) -> bytes:
+    return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+
+def test_parse_completion_sizes_and_stream_flag() -> None:
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 7, "stream": True}
+    ).encode()
+    assert parse_completion(body, None, 256) == CompletionRequest(10, 7, True)
+    assert parse_completion(b'{"prompt": "abcd"}', "123", 99) == CompletionRequest(123, 99, False)
+    assert parse_completion(b'{"prompt": "abcd", "stream": "yes"}', None, 5).stream is False
+
+
+@pytest.mark.parametrize(
+    ("raw", "header", "code"),
+    [
+        (b"{", None, "invalid_json"),
+        (b"\xff\xfe", None, "invalid_json"),
+        (b"[" * 100_000 + b"]" * 100_000, None, "invalid_json"),
+        (b'"text"', None, "invalid_body"),
+        (b"{}", "ten", "invalid_header"),
+        (b"{}", "99999999999", "invalid_header"),
+    ],
+    ids=["truncated", "not-utf8", "too-deep", "string", "header-not-int", "header-too-big"],
+)
+def test_parse_completion_rejects(raw: bytes, header: str | None, code: str) -> None:
+    with pytest.raises(RequestRejectedError) as info:
+        parse_completion(raw, header, 256)
+    assert (info.value.status, info.value.code) == (400, code)
+
+
+def test_output_counter_prefers_usage_then_counts_chunks() -> None:
+    counter = OutputCounter(stream=True)
+    for i in range(5):
+        counter.feed(sse({"choices": [{"delta": {"content": f"t{i}"}}]}))
+    # One event split across two network chunks still counts once.
+    final = sse({"choices": [], "usage": {"completion_tokens": 42}})
+    counter.feed(final[:20])
+    counter.feed(final[20:] + b"data: [DONE]\n\n")
+    assert counter.tokens() == 42
+    plain = OutputCounter(stream=True)
+    for i in range(3):
+        plain.feed(sse({"choices": [{"delta": {"content": f"t{i}"}}]}))
+    plain.feed(b"data: [DONE]\n\n")
+    assert plain.tokens() == 3
+    whole = OutputCounter(stream=False)
+    doc = json.dumps({"choices": [], "usage": {"completion_tokens": 17}}).encode()
+    whole.feed(doc[:10])
+    whole.feed(doc[10:])
+    assert whole.tokens() == 17
+    broken = OutputCounter(stream=False)
+    broken.feed(b"not json")
+    assert broken.tokens() is None
+
+
+def test_expected_output_average_follows_observations() -> None:
+    state = NodeState()
+    assert state.expected_output_tokens() == INITIAL_OUTPUT_TOKENS
+    for _ in range(200):
+        state.observe_output(40)
+    assert 40 <= state.expected_output_tokens() <= 42
+    state.observe_output(0)  # nothing learned from an empty answer
+    assert state.observed_outputs == 200
+
+
+def test_hop_by_hop_headers_are_filtered_both_ways() -> None:
+    incoming = CIMultiDict(
+        [
+            ("Host", "node:8001"),
+            ("Connection", "keep-alive, X-Secret-Hop"),
+            ("X-Secret-Hop", "1"),
+            ("Authorization", "Bearer engine-key"),
+            ("Content-Length", "10"),
+            ("X-Request-Id", "spoofed"),
+            ("Accept", "text/event-stream"),
+        ]
+    )
+    out = request_headers(incoming, "rid-1")
+    assert dict(out) == {
+        "Authorization": "Bearer engine-key",
+        "Accept": "text/event-stream",
+        "X-Request-Id": "rid-1",
+    }
+    response = web.StreamResponse()
+    upstream = CIMultiDict(
+        [
+            ("Content-Type", "text/event-stream"),
+            ("Transfer-Encoding", "chunked"),
+            ("Content-Length", "5"),
+            ("X-Instance-Id", "forged"),
+            ("Set-Cookie", "a=1"),
+            ("Set-Cookie", "b=2"),
+        ]
+    )
+    copy_response_headers(upstream, response)
+    assert list(response.headers.items()) == [
+        ("Content-Type", "text/event-stream"),
+        ("Set-Cookie", "a=1"),
+        ("Set-Cookie", "b=2"),
+    ]
