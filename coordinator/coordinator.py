@@ -662,12 +662,25 @@ class Coordinator:
         since, run_id = self._cache.since()
         self._cache.apply(await direct("snapshot", [since, run_id]))
         done: set[str] = set()
+        reconciled = False
         while True:
             todo = [r for rid, r in self._local.items() if rid not in done]
             releases = list(self._pending_releases)
             if not todo and not releases:
-                break
+                if reconciled:
+                    break
+                # Redis may hold reservations this node already released (a release
+                # the failed-over server never replicated): release those too.
+                held = await self.redis.smembers(self._node_rids)
+                self._pending_releases.update(
+                    rid for rid in map(str, held) if rid not in self._local
+                )
+                reconciled = True
+                continue
             for res in todo:
+                done.add(res.rid)
+                if res.rid not in self._local:  # released before its turn came
+                    continue
                 status = await direct(
                     "restore",
                     [
@@ -683,11 +696,12 @@ class Coordinator:
                     ],
                     (self._node_rids,),
                 )
-                done.add(res.rid)
                 if str(status[0]) == "void":
                     self._local.pop(res.rid, None)
                 elif res.rid in self._local:
                     self._local[res.rid].in_redis = True
+                else:  # released while the restore was in flight: it is in Redis now
+                    self._pending_releases.add(res.rid)
             for rid in releases:
                 await direct("release", [rid, 0, ""], (self._node_rids,))
                 self._pending_releases.discard(rid)
