@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("proxy_node.demo", "Start a local cluster and drive a bursty workload through it."),
     "cluster": ("proxy_node.cluster", "Run Redis, proxy nodes and mock engines locally."),
     "mock-engine": ("proxy_node.mock_engine", "Run a mock OpenAI-compatible inference engine."),
+    "inspect": ("coordinator.inspect", "Show a pool's instances, leases and reservations."),
 }
 
 

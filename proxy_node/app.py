@@ -24,6 +24,7 @@ from coordinator import Coordinator
 from coordinator.strategies import eligible, score_rows
 from proxy_node import control, hints, static
 from proxy_node.config import NodeConfig
+from proxy_node.dashboard import add_dashboard_routes
 from proxy_node.errors import json_errors
 from proxy_node.forwarding import completions
 from proxy_node.metrics import NodeMetrics
@@ -85,6 +86,7 @@ def create_control_app(service: web.Application) -> web.Application:
     app = web.Application(middlewares=[json_errors, control.require_token(config.token)])
     app[SERVICE_APP] = service
     control.add_routes(app)
+    add_dashboard_routes(app)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     return app

@@ -1,0 +1,376 @@
+"""`coordinator inspect`: a pool's instances, node leases and reservations, read from Redis.
+
+No proxy node is needed: the command builds a Coordinator of its own (node id
+`inspect`) and only reads. It never takes a lease (Coordinator.connect would), so an
+operator watching a pool leaves no node behind for the reapers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import RedisError
+from rich import box
+from rich.console import Console, Group, JustifyMethod, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from coordinator.connection import connect_redis, redact
+from coordinator.coordinator import Coordinator
+from coordinator.errors import CoordinatorError, InvalidArgumentError
+from coordinator.keys import POOL_NAME_RE, PoolKeys
+from coordinator.settings import Settings
+from proxy_node.views import instance_loads_view
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+NODE_ID = "inspect"  # shown as node_id in --json, like a node's /debug/instance_loads
+WATCH_DEFAULT_S = 2.0
+WATCH_MIN_S = 0.1  # faster refreshes would only load Redis; nothing changes that fast to a human
+WATCH_MAX_S = 3600.0
+RESERVATION_SCAN_COUNT = 500  # HSCAN batch: a big pool is read without blocking Redis
+PLAIN_WIDTH = 160  # table width when stdout is not a terminal (pipes, files, tests)
+# Short names keep a 64-instance table readable in a terminal.
+HINT_LABELS = {"engine_running": "run", "engine_waiting": "wait", "queue_depth": "queue"}
+COMPONENT_LABELS = {
+    "inflight": "inflight",
+    "engine_running": "running",
+    "engine_waiting": "waiting",
+    "queue_depth": "queue",
+    "pending_prefill": "prefill",
+    "active_decode": "decode",
+    "backlog_ms": "backlog",
+}
+
+
+class InspectError(Exception):
+    """Redis could not be read; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    """One reading of a pool: the debug view, the node leases and the phase counts."""
+
+    loads: dict[str, Any]  # exactly what /debug/instance_loads serves
+    nodes: list[tuple[str, int]]  # (node id, lease deadline in Redis ms), soonest first
+    phases: dict[str, int] = field(default_factory=dict)  # reservation phase -> count
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `coordinator inspect`."""
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("COORD_REDIS_URL") or os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
+        help="Redis URL (env COORD_REDIS_URL or REDIS_URL)",
+    )
+    parser.add_argument(
+        "--pool",
+        default=os.environ.get("COORD_POOL", "default"),
+        help="pool to inspect (env COORD_POOL)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the /debug/instance_loads document instead of tables",
+    )
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        const=WATCH_DEFAULT_S,
+        default=None,
+        type=_interval,
+        metavar="SECONDS",
+        help=f"refresh in place every SECONDS (default {WATCH_DEFAULT_S:g}) until Ctrl-C",
+    )
+
+
+def _interval(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {raw!r}") from None
+    if not math.isfinite(value) or not WATCH_MIN_S <= value <= WATCH_MAX_S:
+        raise argparse.ArgumentTypeError(
+            f"refresh interval must be in {WATCH_MIN_S:g}..{WATCH_MAX_S:g} seconds, got {raw}"
+        )
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the pool once (or keep refreshing with --watch); 1 if Redis cannot be read."""
+    if not POOL_NAME_RE.match(args.pool):
+        _error(f"pool name {args.pool!r} must match {POOL_NAME_RE.pattern} (no braces)")
+        return 2
+    if args.json and args.watch is not None:
+        _error("--json prints one document; it does not combine with --watch")
+        return 2
+    try:
+        settings = Settings.from_env()
+        coordinator = _coordinator(args.redis_url, args.pool, settings)
+    except InvalidArgumentError as exc:
+        _error(str(exc))
+        return 2
+    if args.watch is not None:
+        try:
+            asyncio.run(_watch(coordinator, args, settings))
+        except KeyboardInterrupt:
+            pass  # Ctrl-C is how a watch ends
+        return 0
+    try:
+        state = asyncio.run(_read_once(coordinator, settings))
+    except InspectError as exc:
+        _error(f"Redis at {redact(args.redis_url)}: {exc}")
+        return 1
+    if args.json:
+        print(json.dumps(state.loads, indent=2))
+    else:
+        console = _plain_console()
+        console.print(render(state, args.redis_url, console.width))
+    return 0
+
+
+def _error(message: str) -> None:
+    print(f"coordinator inspect: error: {message}", file=sys.stderr)
+
+
+def _coordinator(url: str, pool: str, settings: Settings) -> Coordinator:
+    # Built directly, not with Coordinator.connect: that would take a node lease.
+    return Coordinator(connect_redis(url, settings), pool=pool, node_id=NODE_ID, settings=settings)
+
+
+def _plain_console() -> Console:
+    wide = sys.stdout.isatty() or "COLUMNS" in os.environ
+    return Console(width=None if wide else PLAIN_WIDTH, highlight=False)
+
+
+async def _read_once(coordinator: Coordinator, settings: Settings) -> PoolState:
+    try:
+        return await read_pool(coordinator, settings)
+    finally:
+        await coordinator.close()
+
+
+async def read_pool(coordinator: Coordinator, settings: Settings) -> PoolState:
+    """Snapshot, rank and read leases and reservations; raises InspectError if Redis fails."""
+    try:
+        # snapshot() hides an unreachable Redis behind degraded mode: ask it directly
+        # first so the error names the cause, then check the state snapshot() left.
+        await coordinator.redis.ping()
+        snapshot = await coordinator.snapshot()
+        if coordinator.coordination != "ok":
+            raise InspectError(f"cannot read pool {coordinator.pool!r}: Redis did not answer")
+        keys = PoolKeys(settings.key_prefix, coordinator.pool)
+        raw_nodes = await coordinator.redis.zrange(keys.column("nodes"), 0, -1, withscores=True)
+        phases: Counter[str] = Counter()
+        async for _, raw in coordinator.redis.hscan_iter(
+            keys.column("reservations"), count=RESERVATION_SCAN_COUNT
+        ):
+            phases[_phase_of(raw)] += 1
+    except (RedisError, OSError, CoordinatorError) as exc:
+        raise InspectError(f"cannot read pool {coordinator.pool!r}: {exc}") from exc
+    ranking = coordinator.rank(snapshot, settings.strategy)
+    loads = instance_loads_view(snapshot, ranking, settings, NODE_ID, coordinator.pool)
+    nodes = [(str(node), int(deadline)) for node, deadline in raw_nodes]
+    return PoolState(loads, nodes, dict(sorted(phases.items())))
+
+
+def _phase_of(raw: Any) -> str:
+    try:
+        record = json.loads(raw)
+    except (TypeError, ValueError):
+        return "unreadable"
+    phase = record.get("phase") if isinstance(record, dict) else None
+    return phase if isinstance(phase, str) else "unknown"
+
+
+async def _watch(coordinator: Coordinator, args: argparse.Namespace, settings: Settings) -> None:
+    """Redraw in place every args.watch seconds until cancelled (Ctrl-C)."""
+    console = Console(highlight=False)
+    current: Coordinator | None = coordinator
+    try:
+        with Live(console=console, auto_refresh=False, transient=False) as live:
+            while True:
+                if current is None:
+                    current = _coordinator(args.redis_url, args.pool, settings)
+                frame: RenderableType
+                try:
+                    # One Coordinator across frames: its cache makes each read incremental.
+                    state = await read_pool(current, settings)
+                    frame = render(state, args.redis_url, console.width)
+                except InspectError as exc:
+                    # A degraded Coordinator would start re-asserting a lease for node
+                    # `inspect` once Redis is back: drop it and start afresh next frame.
+                    await current.close()
+                    current = None
+                    frame = Text(
+                        f"error: Redis at {redact(args.redis_url)}: {exc}\n"
+                        f"retrying every {args.watch:g}s (Ctrl-C to quit)",
+                        style="red",
+                    )
+                live.update(frame, refresh=True)
+                await asyncio.sleep(args.watch)
+    finally:
+        if current is not None:
+            await current.close()
+
+
+def render(state: PoolState, redis_url: str, width: int | None = None) -> Group:
+    """The tables of one reading: header, instances, node leases, reservation phases.
+
+    `width` is the terminal's: instance columns that do not fit are left out.
+    """
+    loads = state.loads
+    now_ms = int(loads["generated_at"])
+    instances = loads["instances"]
+    alive = sum(1 for row in instances if row["alive"])
+    header = Text.assemble(
+        ("pool ", "dim"),
+        (str(loads["pool"]), "bold"),
+        ("  redis ", "dim"),
+        redact(redis_url),
+        ("  coordination ", "dim"),
+        (str(loads["coordination"]), "green" if loads["coordination"] == "ok" else "red"),
+        ("  strategy ", "dim"),
+        str(loads["strategy"]),
+        ("  version ", "dim"),
+        str(loads["version"]),
+        ("  instances ", "dim"),
+        f"{alive} alive / {len(instances)}",
+        ("  redis time ", "dim"),
+        str(now_ms),
+    )
+    return Group(
+        header,
+        _instance_table(instances, width),
+        _node_table(state.nodes, now_ms),
+        _phase_line(state.phases),
+    )
+
+
+# Instance table columns: (header, justify, keep). When the terminal is too narrow,
+# columns are hidden highest `keep` first, like top does, rather than squeezing every
+# cell into an ellipsis; the instance id is never hidden.
+INSTANCE_COLUMNS: tuple[tuple[str, JustifyMethod, int], ...] = (
+    ("rank", "right", 5),
+    ("instance", "left", 0),
+    ("state", "left", 1),
+    ("epoch", "right", 9),
+    ("inflight", "right", 2),
+    ("prefill", "right", 4),
+    ("decode", "right", 4),
+    ("slot ms", "right", 11),
+    ("prefill free", "right", 10),
+    ("backlog ms", "right", 6),
+    ("hint ages", "left", 8),
+    ("score", "right", 3),
+    ("top components", "left", 7),
+)
+COLUMN_GAP = 3  # padding and separator per column in the SIMPLE_HEAD box
+
+
+def _instance_cells(row: dict[str, Any]) -> list[Text]:
+    score = row["least_load_score"] or {}
+    return [
+        Text(_num(row["rank"])),
+        Text(str(row["id"])),
+        Text("alive", "green") if row["alive"] else Text("stale", "red"),
+        Text(_num(row["epoch"])),
+        Text(_num(row["inflight"])),
+        Text(_num(row["pending_prefill_count"])),
+        Text(_num(row["active_decode_count"])),
+        Text(_num(row["next_slot_ready_in_ms"])),
+        Text(_num(row["prefill_free_in_ms"])),
+        Text(_num(row["predicted_total_backlog_ms"])),
+        _hint_ages(row["hints"]),
+        Text(_num(score.get("total"), 3)),
+        Text(_top_components(score.get("weighted_components") or {})),
+    ]
+
+
+def _instance_table(instances: list[dict[str, Any]], width: int | None) -> Table:
+    rows = [_instance_cells(row) for row in sorted(instances, key=lambda r: str(r["id"]))]
+    natural = [
+        max([len(name), *(cells[k].cell_len for cells in rows)]) + COLUMN_GAP
+        for k, (name, _, _) in enumerate(INSTANCE_COLUMNS)
+    ]
+    shown = set(range(len(INSTANCE_COLUMNS)))
+    if width is not None:
+        for k in sorted(shown, key=lambda k: -INSTANCE_COLUMNS[k][2]):
+            if sum(natural[i] for i in shown) <= width or INSTANCE_COLUMNS[k][2] == 0:
+                break
+            shown.discard(k)
+    hidden = len(INSTANCE_COLUMNS) - len(shown)
+    table = Table(
+        title="instances",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        caption=f"{hidden} columns hidden: widen the terminal or use --json" if hidden else None,
+        caption_justify="left",
+    )
+    for k, (name, justify, _) in enumerate(INSTANCE_COLUMNS):
+        if k in shown:
+            table.add_column(name, justify=justify, no_wrap=True)
+    for cells in rows:
+        table.add_row(*(cell for k, cell in enumerate(cells) if k in shown))
+    return table
+
+
+def _node_table(nodes: list[tuple[str, int]], now_ms: int) -> Table:
+    table = Table(title="node leases", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+    table.add_column("node", no_wrap=True)
+    table.add_column("lease deadline", justify="right")
+    table.add_column("expires in", justify="right")
+    for node, deadline in nodes:
+        left_s = (deadline - now_ms) / 1000
+        expiry = (
+            Text(f"{left_s:.1f}s")
+            if left_s >= 0
+            else Text(f"expired {-left_s:.1f}s ago", style="red")
+        )
+        table.add_row(node, str(deadline), expiry)
+    if not nodes:
+        table.add_row(Text("(no node holds a lease)", style="dim"), "", "")
+    return table
+
+
+def _phase_line(phases: dict[str, int]) -> Text:
+    total = sum(phases.values())
+    counts = {"prefill": 0, "decode": 0, **phases}
+    parts = ", ".join(f"{phase} {count}" for phase, count in counts.items())
+    return Text.assemble(("reservations ", "bold"), f"{total}: {parts}")
+
+
+def _num(value: Any, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    if digits and isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _hint_ages(hints: dict[str, dict[str, Any]]) -> Text:
+    if not hints:
+        return Text("-", style="dim")
+    out = Text()
+    for name, hint in hints.items():
+        if out:
+            out.append(" ")
+        label = f"{HINT_LABELS.get(name, name)} {hint['age_ms']}ms"
+        out.append(label, style=None if hint["fresh"] else "red")
+    return out
+
+
+def _top_components(weighted: dict[str, float]) -> str:
+    top = sorted(((v, k) for k, v in weighted.items() if v > 0), reverse=True)[:2]
+    return (
+        ", ".join(f"{COMPONENT_LABELS.get(name, name)} {value:.3g}" for value, name in top) or "-"
+    )
