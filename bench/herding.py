@@ -1,9 +1,7 @@
 """Herding: K nodes fire simultaneous bursts at idle, identical instances.
 
-Each node is its own OS process with its own Coordinator; all nodes wait on one
-barrier, then each fires its burst at once (asyncio.gather). The ideal spread of
-K*B reservations over M instances has max - min <= 1. `local_least_inflight` is the
-nginx least_conn behaviour: each node counts only its own requests.
+The benchmark lives in coordinator/benchmarks_herding.py (also `coordinator bench
+herding`); this script keeps the original entry point, flags and output.
 
     python bench/herding.py                 # 4 nodes x 8 requests onto 16 instances
     python bench/herding.py --trials 50 --nodes 8 --burst 16 --instances 32
@@ -11,164 +9,9 @@ nginx least_conn behaviour: each node counts only its own requests.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import multiprocessing as mp
-import statistics
 import sys
-import time
-from collections import Counter
-from dataclasses import replace
-from pathlib import Path
-from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mdsection import write_section
-
-from coordinator import Coordinator, InstanceSpec, Settings
-from coordinator.embedded import EmbeddedRedis
-from coordinator.strategies import RoundRobin, eligible, least_load
-
-STRATEGIES = ("least_load", "power_of_two", "round_robin", "local_least_inflight")
-SETTINGS = Settings(instance_ttl_ms=600_000, redis_timeout_ms=5_000)
-
-
-async def _burst(
-    url: str, pool: str, node: str, burst: int, strategy: str, barrier: Any
-) -> list[str]:
-    c = await Coordinator.connect(url, pool=pool, node_id=node, settings=SETTINGS, background=False)
-    await c.refresh()
-    snap = await c.snapshot()
-    await asyncio.get_running_loop().run_in_executor(None, barrier.wait)
-    if strategy == "local_least_inflight":
-        await asyncio.get_running_loop().run_in_executor(None, barrier.wait)
-        # The node's own counters only: every node starts from an all-idle view.
-        own: Counter[str] = Counter()
-        rr = RoundRobin()
-        chosen = []
-        for _ in range(burst):
-            rows = [
-                replace(
-                    r,
-                    inflight=own[r.id],
-                    predicted_total_backlog_ms=None,
-                    engine_running=None,
-                    engine_waiting=None,
-                    queue_depth=None,
-                )
-                for r in eligible(snap.rows)
-            ]
-            pick = least_load(rows, SETTINGS.weights, rr).ranked[0].id
-            own[pick] += 1
-            chosen.append(pick)
-    else:
-        results = await asyncio.gather(
-            *(c.reserve(256, 64, strategy=strategy) for _ in range(burst))
-        )
-        chosen = [r.instance_id for r in results]
-        # Hold every reservation until all nodes are done, so the tally is the spread
-        # of concurrently held reservations.
-        await asyncio.get_running_loop().run_in_executor(None, barrier.wait)
-        for r in results:
-            await c.release(r.rid)
-    await c.close()
-    return chosen
-
-
-def _node(args: tuple[str, str, str, int, str, Any]) -> list[str]:
-    return asyncio.run(_burst(*args))
-
-
-async def _setup(url: str, pool: str, instances: int) -> None:
-    c = await Coordinator.connect(
-        url, pool=pool, node_id="setup", settings=SETTINGS, background=False
-    )
-    for i in range(instances):
-        await c.register_instance(
-            InstanceSpec(
-                id=f"inst-{i:02d}",
-                url=f"http://127.0.0.1:{21000 + i}",
-                prefill_ms_per_token=0.08,
-                prefill_overhead_ms=10.0,
-                decode_ms_per_token=16.0,
-            )
-        )
-    await c.close()
-
-
-def trial(url: str, strategy: str, nodes: int, burst: int, instances: int, n: int) -> int:
-    """One burst; returns max - min of reservations per instance."""
-    pool = f"herd-{strategy}-{n}-{int(time.time() * 1000) % 1000000}"
-    asyncio.run(_setup(url, pool, instances))
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Manager().Barrier(nodes)
-    with ctx.Pool(nodes) as workers:
-        picks = workers.map(
-            _node, [(url, pool, f"n{k}", burst, strategy, barrier) for k in range(nodes)]
-        )
-    counts = Counter(p for node_picks in picks for p in node_picks)
-    per_instance = [counts.get(f"inst-{i:02d}", 0) for i in range(instances)]
-    _cleanup(url, pool)
-    return max(per_instance) - min(per_instance)
-
-
-def _cleanup(url: str, pool: str) -> None:
-    from redis import Redis
-
-    client = Redis.from_url(url)
-    for key in client.scan_iter(match=f"lc:{{{pool}}}:*"):
-        client.delete(key)
-    client.close()
-
-
-def main() -> int:
-    """Run every strategy, print and record the table."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--redis-url", help="use this server instead of a private one")
-    parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--burst", type=int, default=8, help="requests per node per burst")
-    parser.add_argument("--instances", type=int, default=16)
-    parser.add_argument("--trials", type=int, default=10)
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args()
-    server = None if args.redis_url else EmbeddedRedis().start()
-    url = args.redis_url or server.url  # type: ignore[union-attr]
-    spreads: dict[str, list[int]] = {}
-    try:
-        for strategy in STRATEGIES:
-            spreads[strategy] = []
-            for n in range(args.trials):
-                spreads[strategy].append(
-                    trial(url, strategy, args.nodes, args.burst, args.instances, n)
-                )
-            print(f"{strategy}: max-min per trial {spreads[strategy]}", file=sys.stderr)
-    finally:
-        if server is not None:
-            server.stop()
-    lines = [
-        "## Herding (simultaneous bursts onto idle, identical instances)",
-        "",
-        f"`python bench/herding.py --nodes {args.nodes} --burst {args.burst} "
-        f"--instances {args.instances} --trials {args.trials}` — each node its own process, "
-        "released from one barrier. Ideal: max - min <= 1.",
-        "",
-        "| strategy | mean max-min | worst max-min | trials with max-min <= 1 |",
-        "|---|---:|---:|---:|",
-    ]
-    for strategy, values in spreads.items():
-        ideal = sum(1 for v in values if v <= 1)
-        lines.append(
-            f"| {strategy} | {statistics.mean(values):.2f} | {max(values)} | "
-            f"{ideal}/{len(values)} |"
-        )
-    table = "\n".join(lines) + "\n"
-    print(table)
-    if not args.no_write:
-        write_section("herding", table)
-    return 0
-
+from coordinator.benchmarks_herding import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,6 +13,18 @@ BENCHES: dict[str, tuple[str, str]] = {
         "coordinator.sim.cli",
         "Simulate every strategy over a trace (discrete-event, deterministic).",
     ),
+    "live": (
+        "coordinator.bench_live",
+        "Replay a trace slice through a real local cluster per strategy; compare with the sim.",
+    ),
+    "herding": (
+        "coordinator.benchmarks_herding",
+        "Simultaneous bursts from K node processes onto idle instances: the spread.",
+    ),
+    "overhead": (
+        "coordinator.benchmarks_overhead",
+        "Decision cost (snapshot + score + reserve) against instance and node count.",
+    ),
 }
 
 

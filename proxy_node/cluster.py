@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,14 +25,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.connection import redact
-from coordinator.embedded import EmbeddedRedis
+from coordinator.embedded import EmbeddedRedis, die_with_parent
 
-PR_SET_PDEATHSIG = 1
+# Below Linux's ephemeral range (32768+), where outgoing connections take ports.
+PORT_RANGE = (20_000, 32_000)
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def free_port_block(nodes: int, engines: int, rng: random.Random | None = None) -> int:
+    """A base port whose node and engine ports (see LocalCluster) are all free now."""
+    rng = rng or random.Random()
+    for _ in range(200):
+        base = rng.randrange(*PORT_RANGE, 2)
+        ports = [base + i for i in range(2 * nodes)] + [base + 100 + j for j in range(engines)]
+        try:
+            for port in ports:
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free block of loopback ports found")
 
 
 def http_json(url: str, timeout_s: float = 2.0) -> Any:
@@ -52,7 +65,7 @@ class Child:
     def start(self, env: dict[str, str], log_to: Any) -> None:
         """Start the process (its output goes to `log_to`)."""
         self.process = subprocess.Popen(
-            self.args, env=env, stdout=log_to, stderr=log_to, preexec_fn=_die_with_parent
+            self.args, env=env, stdout=log_to, stderr=log_to, preexec_fn=die_with_parent
         )
 
     def wait_ready(self, deadline: float) -> None:
@@ -97,6 +110,7 @@ class LocalCluster:
     token: str | None = None
     strategy: str = "least_load"
     engine_args: list[str] = field(default_factory=list)
+    node_env: dict[str, str] = field(default_factory=dict)  # e.g. COORD_* knobs for nodes
     quiet: bool = True
     redis: EmbeddedRedis | None = None
     children: list[Child] = field(default_factory=list)
@@ -141,6 +155,7 @@ class LocalCluster:
                 self.redis_url = self.redis.url
             env = dict(os.environ)
             env.pop("COORD_TOKEN", None)
+            node_env = {**env, **self.node_env}
             log_to = subprocess.DEVNULL if self.quiet else None
             cli = [sys.executable, "-m", "coordinator.cli"]
             auth = ["--token", self.token] if self.token else []
@@ -166,7 +181,7 @@ class LocalCluster:
                     ],
                     f"http://127.0.0.1:{self.node_port(k)}/healthz",
                 )
-                child.start(env, log_to)
+                child.start(node_env, log_to)
                 self.children.append(child)
             for child in self.children:
                 child.wait_ready(deadline)
@@ -308,7 +323,13 @@ def run(args: argparse.Namespace) -> int:
                     print(f"{child.name} exited unexpectedly; stopping", file=sys.stderr)
                     stop.set()
     finally:
-        print("stopping...", flush=True)
+        # Stop first: a closed stdout (the reader went away) must not leave orphans.
+        _say("stopping...")
         cluster.stop()
-    print("stopped.", flush=True)
+    _say("stopped.")
     return 0
+
+
+def _say(text: str) -> None:
+    with contextlib.suppress(OSError):
+        print(text, flush=True)

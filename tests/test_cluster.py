@@ -6,7 +6,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,24 +16,9 @@ import aiohttp
 import pytest
 from redis import Redis
 
-from proxy_node.cluster import LocalCluster
+from proxy_node.cluster import LocalCluster, free_port_block
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
-
-
-def free_port_block(nodes: int, engines: int) -> int:
-    """A base port whose node and engine ports (see LocalCluster) are all free now."""
-    for _ in range(200):
-        base = random.randrange(20_000, 55_000, 2)
-        ports = [base + i for i in range(2 * nodes)] + [base + 100 + j for j in range(engines)]
-        try:
-            for port in ports:
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port block")
 
 
 @pytest.fixture

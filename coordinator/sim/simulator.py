@@ -34,6 +34,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -231,7 +232,8 @@ class Simulation:
             self.state.register(s, 0)
         self.nodes = [
             _Node(
-                RoundRobin(),
+                # Each node's rotation starts where the real Coordinator's does.
+                RoundRobin(zlib.crc32(f"node-{n}".encode())),
                 random.Random(f"{c.seed}:{strategy}:{n}"),
                 local=[0] * c.instances,
             )
