@@ -285,10 +285,18 @@ class Coordinator:
         values = []
         for name in HINT_NAMES:
             value = hints.get(name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0
-            ):
-                raise InvalidArgumentError(f"hint {name} must be a number >= 0, got {value!r}")
+            try:
+                valid = value is None or (
+                    not isinstance(value, bool)
+                    and isinstance(value, int | float)
+                    and 0 <= float(value) < float("inf")
+                )
+            except OverflowError:  # an int beyond float range
+                valid = False
+            if not valid:
+                raise InvalidArgumentError(
+                    f"hint {name} must be a finite number >= 0, got {value!r}"
+                )
             values.append("" if value is None else repr(float(value)))
         reply = await self._call("heartbeat", [instance_id, *values])
         return int(reply[1])

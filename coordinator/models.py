@@ -19,7 +19,11 @@ def _number(name: str, value: Any, *, minimum: float = 0.0, optional: bool = Fal
         return
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value < minimum:
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond float range
+        finite = False
+    if not finite or value < minimum:
         raise InvalidArgumentError(f"{name} must be finite and >= {minimum}, got {value}")
 
 

@@ -31,6 +31,7 @@ ENV_VARS: dict[str, tuple[str, ...]] = {
     "node_id": ("COORD_NODE_ID",),
     "max_body_bytes": ("COORD_MAX_BODY_BYTES",),
     "request_timeout_s": ("COORD_REQUEST_TIMEOUT_S",),
+    "body_timeout_s": ("COORD_BODY_TIMEOUT_S",),
     "scrape_interval_s": ("COORD_SCRAPE_INTERVAL_S",),
 }
 
@@ -52,6 +53,7 @@ class NodeConfig:
     node_id: str | None = None  # stable node id (None = a random one per process)
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     request_timeout_s: float = 600.0  # whole upstream exchange, streaming included
+    body_timeout_s: float = 60.0  # reading one request body; a slower client gets 408
     scrape_interval_s: float = 2.0  # engine /metrics scrape period (0 = off)
     settings: Settings = field(default_factory=Settings)  # coordinator knobs (COORD_*)
 
@@ -97,6 +99,10 @@ class NodeConfig:
         if not _finite(self.request_timeout_s) or self.request_timeout_s <= 0:
             raise InvalidArgumentError(
                 f"request_timeout_s must be a number > 0, got {self.request_timeout_s!r}"
+            )
+        if not _finite(self.body_timeout_s) or self.body_timeout_s <= 0:
+            raise InvalidArgumentError(
+                f"body_timeout_s must be a number > 0, got {self.body_timeout_s!r}"
             )
         if not _finite(self.scrape_interval_s) or self.scrape_interval_s < 0:
             raise InvalidArgumentError(
@@ -162,7 +168,7 @@ def _parse(name: str, var: str, raw: str) -> Any:
             return int(raw)
         except ValueError:
             raise InvalidArgumentError(f"{var} must be an integer, got {raw!r}") from None
-    if name in ("request_timeout_s", "scrape_interval_s"):
+    if name in ("request_timeout_s", "body_timeout_s", "scrape_interval_s"):
         try:
             return float(raw)
         except ValueError:

@@ -6,6 +6,7 @@ has a token; reads stay open so dashboards and probes need no secret.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from typing import Any
@@ -24,7 +25,7 @@ from coordinator.keys import ID_RE
 from coordinator.models import HINT_NAMES, InstanceSpec
 from coordinator.settings import STRATEGIES
 from proxy_node.errors import Handler, json_error
-from proxy_node.state import COORDINATOR, SERVICE_APP
+from proxy_node.state import CONFIG, COORDINATOR, SERVICE_APP
 from proxy_node.views import instance_loads_view
 
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -67,8 +68,21 @@ def _coordinator(request: web.Request) -> Coordinator:
 
 
 async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
-    """The decoded body; raises a 400 response for malformed JSON."""
-    raw = await request.read()
+    """The decoded body; raises a 400 response for malformed JSON, 408 for a stalled body."""
+    timeout_s = request.app[SERVICE_APP][CONFIG].body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        stalled = json_error(
+            408, f"request body not received within {timeout_s:g} s", "body_timeout"
+        )
+        stalled.force_close()  # the unread rest of the body must not be parsed as a request
+        raise _Reject(stalled) from None
+    except web.RequestPayloadError:  # e.g. a body that fails its Content-Encoding
+        unreadable = json_error(400, "unreadable request body", "invalid_body")
+        unreadable.force_close()
+        raise _Reject(unreadable) from None
     if optional and not raw.strip():
         return None
     try:
@@ -99,7 +113,7 @@ async def register(request: web.Request) -> web.Response:
         result = await coordinator.register_instance(spec)
     except _Reject as reject:
         return reject.response
-    except InvalidArgumentError as exc:
+    except (InvalidArgumentError, OverflowError) as exc:  # Overflow: a JSON int past float range
         return json_error(422, str(exc), "invalid_instance")
     except EpochFencedError as exc:
         return json_error(409, str(exc), "epoch_fenced")
@@ -151,7 +165,7 @@ async def heartbeat(request: web.Request) -> web.Response:
         epoch = await _coordinator(request).heartbeat_instance(instance_id, hints)
     except UnknownInstanceError:
         return json_error(404, f"unknown instance {instance_id!r}: register it", "unknown_instance")
-    except InvalidArgumentError as exc:
+    except (InvalidArgumentError, OverflowError) as exc:  # Overflow: a JSON int past float range
         return json_error(422, str(exc), "invalid_hints")
     except CoordinationUnavailableError as exc:
         return _unavailable(exc)

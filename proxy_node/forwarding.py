@@ -152,15 +152,30 @@ class Exchange:
             return response
         data = bytearray()
         try:
-            async for chunk in request.content.iter_any():
-                data += chunk
-                if len(data) > limit:
-                    response = self._error(413, too_large, "body_too_large")
-                    response.force_close()
-                    return response
+            # One deadline for the whole body: a client trickling bytes cannot hold the
+            # handler longer than a stalled one.
+            async with asyncio.timeout(self.config.body_timeout_s):
+                async for chunk in request.content.iter_any():
+                    data += chunk
+                    if len(data) > limit:
+                        response = self._error(413, too_large, "body_too_large")
+                        response.force_close()
+                        return response
         except ConnectionError:
             self.status, self.outcome = 499, "client_disconnect"
             return web.Response(status=499)
+        except TimeoutError:
+            response = self._error(
+                408,
+                f"request body not received within {self.config.body_timeout_s:g} s",
+                "body_timeout",
+            )
+            response.force_close()
+            return response
+        except web.RequestPayloadError as exc:  # e.g. a body that fails its Content-Encoding
+            response = self._error(400, f"unreadable request body: {_cause(exc)}", "invalid_body")
+            response.force_close()
+            return response
         self.body = bytes(data)
         try:
             parsed = parse_completion(
@@ -348,6 +363,12 @@ class Exchange:
             if tokens is not None:
                 self.state.observe_output(tokens)
         return response
+
+
+def _cause(exc: BaseException) -> str:
+    """The readable part of aiohttp's payload error (its cause's message)."""
+    cause = exc.__cause__ or exc
+    return str(getattr(cause, "message", "") or type(cause).__name__)
 
 
 async def _client_gone(request: web.Request) -> None:

@@ -22,8 +22,14 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-# Client -> engine: aiohttp sets Host and Content-Length for the new hop.
-REQUEST_HEADERS_DROPPED = HOP_BY_HOP | {"host", "content-length", "x-request-id"}
+# Client -> engine: aiohttp sets Host and Content-Length for the new hop. The node
+# forwards the body aiohttp already decoded, so the client's Content-Encoding would lie.
+REQUEST_HEADERS_DROPPED = HOP_BY_HOP | {
+    "host",
+    "content-length",
+    "content-encoding",
+    "x-request-id",
+}
 # Engine -> client: the body is re-framed (chunked) and the proxy sets its own X- headers.
 RESPONSE_HEADERS_DROPPED = HOP_BY_HOP | {
     "content-length",

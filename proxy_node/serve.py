@@ -10,6 +10,7 @@ import signal
 import sys
 from contextlib import suppress
 from dataclasses import fields
+from typing import Any
 
 from aiohttp import web
 
@@ -22,6 +23,10 @@ from proxy_node.config import NodeConfig
 log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 30.0  # in-flight requests get this long to finish on SIGTERM
+# aiohttp's HTTP parser limits, spelled out so an aiohttp upgrade cannot move them:
+# a longer request line or header, or more headers, gets a plain-text 400 from the
+# parser before any handler runs (docs/security.md).
+HTTP_LIMITS: dict[str, Any] = {"max_line_size": 8190, "max_field_size": 8190, "max_headers": 128}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"[env COORD_REQUEST_TIMEOUT_S; default {d.request_timeout_s:g}]",
     )
     add(
+        "--body-timeout-s",
+        type=float,
+        default=S,
+        help="limit of reading one request body; a slower client gets 408 "
+        f"[env COORD_BODY_TIMEOUT_S; default {d.body_timeout_s:g}]",
+    )
+    add(
         "--scrape-interval-s",
         type=float,
         default=S,
@@ -133,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         "node_id",
         "max_body_bytes",
         "request_timeout_s",
+        "body_timeout_s",
         "scrape_interval_s",
     )
     return NodeConfig.from_env(os.environ, **{n: getattr(args, n, None) for n in names})
@@ -161,9 +174,11 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None) -> None:
         with suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     service = create_app(config)
-    service_runner = web.AppRunner(service, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    service_runner = web.AppRunner(service, shutdown_timeout=SHUTDOWN_TIMEOUT_S, **HTTP_LIMITS)
     await service_runner.setup()  # runs the cleanup contexts: the Coordinator exists after this
-    control_runner = web.AppRunner(create_control_app(service), shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    control_runner = web.AppRunner(
+        create_control_app(service), shutdown_timeout=SHUTDOWN_TIMEOUT_S, **HTTP_LIMITS
+    )
     await control_runner.setup()
     try:
         await web.TCPSite(service_runner, config.host, config.port).start()

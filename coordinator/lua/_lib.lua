@@ -25,6 +25,7 @@ local function int_arg(value, max)
   if n == nil or n ~= n or n < 0 or n ~= math.floor(n) or n > (max or 1e15) then
     return nil
   end
+  if n == 0 then return 0 end  -- '-0' would reach Redis as "-0", which HINCRBY rejects
   return n
 end
 

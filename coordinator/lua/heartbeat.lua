@@ -23,7 +23,9 @@ redis.call('HSET', K_LAST_SEEN, id, string.format('%d', now))
 for i = 2, 4 do
   if ARGV[i] ~= '' then
     local name = id .. ':' .. HINTS[i - 1]
-    redis.call('HSET', K_HINTS, name, ARGV[i], name .. '_at_ms', string.format('%d', now))
+    -- Stored re-formatted: Lua reads '0x10' or ' 5', the Python reader may not.
+    local value = string.format('%.17g', tonumber(ARGV[i]))
+    redis.call('HSET', K_HINTS, name, value, name .. '_at_ms', string.format('%d', now))
   end
 end
 touch(id, now)

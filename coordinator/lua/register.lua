@@ -1,15 +1,19 @@
 -- register: upsert an instance; a higher epoch voids the old epoch's reservations.
 -- KEYS[1..16] = the pool columns (coordinator/keys.py COLUMNS)
 -- ARGV[1] = instance id
--- ARGV[2] = spec JSON (InstanceSpec without epoch; validated by the caller)
+-- ARGV[2] = spec JSON (InstanceSpec without epoch): an object with this id and an
+--   http(s) url; its other fields are validated by the caller
 -- ARGV[3] = max_slots (integer >= 0, 0 = unlimited)
 -- ARGV[4] = epoch (integer >= 0; 0 = keep the stored epoch, or 1 when new)
 -- returns {'new'|'updated'|'restarted', epoch, voided_reservations}
 -- errors: LCERR epoch_fenced when ARGV[4] is below the stored epoch
 local id = ARGV[1]
 if not valid_id(id) then return fail('bad_arg', 'instance id') end
-if type(ARGV[2]) ~= 'string' or string.sub(ARGV[2], 1, 1) ~= '{' then
-  return fail('bad_arg', 'spec must be a JSON object')
+-- Checked here too: one undecodable spec would break every node's snapshot.
+local decoded, spec = pcall(cjson.decode, ARGV[2] or '')
+if not decoded or type(spec) ~= 'table' or spec.id ~= id or type(spec.url) ~= 'string'
+    or not string.find(spec.url, '^https?://') then
+  return fail('bad_arg', 'spec must be a JSON object with this id and an http(s) url')
 end
 local max_slots = int_arg(ARGV[3], 1000000)
 if max_slots == nil then return fail('bad_arg', 'max_slots must be an integer >= 0') end
