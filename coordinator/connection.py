@@ -55,8 +55,21 @@ def connect_redis(url: str, settings: Settings) -> Any:
             db=db,
             **options,
         )
-        return sentinel.master_for(parts[0])
+        master = sentinel.master_for(parts[0])
+        master._coordinator_sentinel = sentinel  # closed with it: see close_redis()
+        return master
     return Redis.from_url(url, health_check_interval=0, **options)
+
+
+async def close_redis(client: Any) -> None:
+    """Close a client from connect_redis, with every connection it opened."""
+    await client.aclose()
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        await pool.disconnect()
+    sentinel = getattr(client, "_coordinator_sentinel", None)
+    for peer in getattr(sentinel, "sentinels", ()):
+        await peer.aclose()
 
 
 def _split_multi(url: str) -> tuple[str | None, str | None, list[tuple[str, int]], str]:

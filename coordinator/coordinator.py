@@ -24,7 +24,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from coordinator.connection import connect_redis
+from coordinator.connection import close_redis, connect_redis
 from coordinator.errors import (
     CoordinationUnavailableError,
     EpochFencedError,
@@ -181,7 +181,7 @@ class Coordinator:
                 await task
         self._tasks.clear()
         self._recovery = None
-        await self.redis.aclose()
+        await close_redis(self.redis)
 
     @property
     def coordination(self) -> str:

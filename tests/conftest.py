@@ -17,7 +17,8 @@ from redis.asyncio import Redis
 
 from coordinator import Coordinator, Settings
 from coordinator.embedded import EmbeddedRedis, ServerUnavailableError
-from coordinator.keys import PoolKeys
+from tests.fake_engine import Harness
+from tests.helpers import delete_pool
 
 BACKENDS = ("real", "fake")
 
@@ -45,14 +46,6 @@ def pool() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
 
 
-async def delete_pool(client: Any, prefix: str, pool: str) -> None:
-    """Delete exactly the keys of one pool (never FLUSHDB a shared server)."""
-    pattern = PoolKeys(prefix, pool).pattern()
-    keys = [key async for key in client.scan_iter(match=pattern, count=500)]
-    if keys:
-        await client.delete(*keys)
-
-
 @pytest.fixture
 async def real_client(redis_url: str, pool: str) -> AsyncIterator[Redis]:
     """A plain client of the real server; the test pool is deleted afterwards."""
@@ -65,6 +58,16 @@ async def real_client(redis_url: str, pool: str) -> AsyncIterator[Redis]:
 
 
 MakeCoordinator = Callable[..., Awaitable[Coordinator]]
+
+
+@pytest.fixture
+async def harness(redis_url: str, pool: str) -> AsyncIterator[Harness]:
+    """Engines, coordinators and nodes for one test (tests/fake_engine.py); all closed after."""
+    h = Harness(redis_url, pool)
+    try:
+        yield h
+    finally:
+        await h.close()
 
 
 @pytest.fixture(params=BACKENDS)

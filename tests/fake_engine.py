@@ -20,8 +20,7 @@ from redis.asyncio import Redis
 from coordinator import Coordinator, Settings
 from proxy_node.app import create_app, create_control_app
 from proxy_node.config import NodeConfig
-from tests.conftest import delete_pool
-from tests.helpers import counters, live_reservations
+from tests.helpers import counters, delete_pool, live_reservations
 
 
 @dataclass

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from coordinator import Coordinator, InstanceSpec
+from coordinator.keys import PoolKeys
 
 COUNTER_COLUMNS = ("inflight", "pending_prefill", "active_decode")
 
@@ -76,3 +77,11 @@ async def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+async def delete_pool(client: Any, prefix: str, pool: str) -> None:
+    """Delete exactly the keys of one pool (never FLUSHDB a shared server)."""
+    pattern = PoolKeys(prefix, pool).pattern()
+    keys = [key async for key in client.scan_iter(match=pattern, count=500)]
+    if keys:
+        await client.delete(*keys)

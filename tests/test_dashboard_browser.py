@@ -251,15 +251,6 @@ def chromium_binary() -> str | None:
 
 
 @pytest.fixture
-async def harness(redis_url: str, pool: str) -> AsyncIterator[Harness]:
-    h = Harness(redis_url, pool)
-    try:
-        yield h
-    finally:
-        await h.close()
-
-
-@pytest.fixture
 async def browser(tmp_path: Path) -> AsyncIterator[Browser]:
     binary = chromium_binary()
     if binary is None:

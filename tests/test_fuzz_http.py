@@ -316,15 +316,6 @@ async def assert_nothing_left(node: NodeServer, registered: set[str]) -> None:
     assert await spec_ids(node) == registered
 
 
-@pytest.fixture
-async def harness(redis_url: str, pool: str) -> AsyncIterator[Harness]:
-    h = Harness(redis_url, pool)
-    try:
-        yield h
-    finally:
-        await h.close()
-
-
 @dataclass
 class Served:
     """A node with one fake engine registered as `e0`; `registered` is what may stay."""

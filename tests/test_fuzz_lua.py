@@ -41,8 +41,7 @@ from coordinator.errors import (
 )
 from coordinator.keys import ID_RE
 from coordinator.scripts import SCRIPT_NAMES
-from tests.conftest import delete_pool
-from tests.helpers import assert_counters_match_reservations
+from tests.helpers import assert_counters_match_reservations, delete_pool
 
 pytestmark = pytest.mark.timeout(120)
 

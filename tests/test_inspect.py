@@ -23,23 +23,13 @@ from coordinator import Coordinator, Settings
 from coordinator.cli import build_parser
 from coordinator.embedded import free_port
 from coordinator.inspect import NODE_ID, read_pool, render
-from tests.conftest import delete_pool
 from tests.fake_engine import Harness
-from tests.helpers import spec, wait_for
+from tests.helpers import delete_pool, spec, wait_for
 
 pytestmark = pytest.mark.timeout(40)
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 CLI = [sys.executable, "-m", "coordinator.cli", "inspect"]
-
-
-@pytest.fixture
-async def harness(redis_url: str, pool: str) -> AsyncIterator[Harness]:
-    h = Harness(redis_url, pool)
-    try:
-        yield h
-    finally:
-        await h.close()
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -42,8 +42,8 @@ from coordinator import (
     Weights,
 )
 from coordinator.connection import connect_redis
-from tests.conftest import MakeCoordinator, delete_pool
-from tests.helpers import assert_counters_match_reservations, live_reservations, spec
+from tests.conftest import MakeCoordinator
+from tests.helpers import assert_counters_match_reservations, delete_pool, live_reservations, spec
 
 T = TypeVar("T")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -17,15 +17,6 @@ pytestmark = pytest.mark.timeout(60)
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
 MAX_REQUESTS_PER_WORKER = 2000  # bounds the load loop; the test stops it much earlier
-
-
-@pytest.fixture
-async def harness(redis_url: str, pool: str) -> AsyncIterator[Harness]:
-    h = Harness(redis_url, pool)
-    try:
-        yield h
-    finally:
-        await h.close()
 
 
 def coordination_is(

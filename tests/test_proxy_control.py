@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
@@ -29,15 +28,6 @@ from tests.helpers import counters, wait_for
 pytestmark = pytest.mark.timeout(30)
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-
-
-@pytest.fixture
-async def harness(redis_url: str, pool: str) -> AsyncIterator[Harness]:
-    h = Harness(redis_url, pool)
-    try:
-        yield h
-    finally:
-        await h.close()
 
 
 async def call(

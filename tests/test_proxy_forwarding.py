@@ -24,15 +24,6 @@ pytestmark = pytest.mark.timeout(30)
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello there"}]}
 
 
-@pytest.fixture
-async def harness(redis_url: str, pool: str) -> AsyncIterator[Harness]:
-    h = Harness(redis_url, pool)
-    try:
-        yield h
-    finally:
-        await h.close()
-
-
 async def node_with(
     harness: Harness, *engines: FakeEngine, timing: bool = False, **config: Any
 ) -> NodeServer:

@@ -19,9 +19,8 @@ from coordinator import Coordinator, EpochFencedError, InstanceSpec, Settings
 from coordinator.embedded import ServerUnavailableError
 from coordinator.keys import PoolKeys
 from coordinator.scripts import SCRIPT_NAMES
-from tests.conftest import delete_pool
 from tests.fake_engine import settled
-from tests.helpers import assert_counters_match_reservations, counters, spec, wait_for
+from tests.helpers import assert_counters_match_reservations, counters, delete_pool, spec, wait_for
 from tests.topologies import LocalCluster, PoolPlacement, TopologyHarness, place_pools
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(60)]

@@ -41,9 +41,8 @@ from coordinator.errors import InvalidArgumentError
 from coordinator.inspect import read_pool
 from proxy_node.config import NodeConfig
 from proxy_node.serve import HTTP_LIMITS, serve
-from tests.conftest import delete_pool
 from tests.fake_engine import FakeEngine, Harness, NodeServer, settled
-from tests.helpers import wait_for
+from tests.helpers import delete_pool, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,15 +50,6 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "security.md"
 TOKEN = "s3cret-token"
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 VLLM_METRICS = "vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n"
-
-
-@pytest.fixture
-async def harness(redis_url: str, pool: str) -> AsyncIterator[Harness]:
-    h = Harness(redis_url, pool)
-    try:
-        yield h
-    finally:
-        await h.close()
 
 
 async def post_json(

@@ -6,8 +6,8 @@ from typing import Any
 
 from coordinator import Coordinator
 from coordinator.snapshot import PoolCache
-from tests.conftest import MakeCoordinator, delete_pool
-from tests.helpers import spec
+from tests.conftest import MakeCoordinator
+from tests.helpers import delete_pool, spec
 
 POOL_SIZE = 50
 

@@ -29,8 +29,8 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from coordinator.embedded import ServerUnavailableError, find_server_binary, free_port
-from tests.conftest import delete_pool
 from tests.fake_engine import Harness
+from tests.helpers import delete_pool
 
 CLUSTER_SLOTS = 16384
 SETUP_TIMEOUT_S = 20.0  # longest wait for a topology to converge
