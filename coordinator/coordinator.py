@@ -8,7 +8,7 @@ import random
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any
@@ -17,6 +17,7 @@ from redis.exceptions import (
     BusyLoadingError,
     ClusterDownError,
     MasterDownError,
+    NoScriptError,
     RedisClusterException,
     ResponseError,
     TryAgainError,
@@ -56,6 +57,7 @@ UNAVAILABLE = (
     OSError,
 )
 MAX_TOKENS = 10_000_000
+NOSCRIPT_RETRIES = 3  # extra loads when scripts are flushed again mid-call
 
 
 @dataclass(slots=True)
@@ -160,6 +162,9 @@ class Coordinator:
             connect_redis(redis_url, settings), pool=pool, node_id=node_id, settings=settings
         )
         with suppress(CoordinationUnavailableError):
+            # A node restarting under its old id: nothing else would ever reap what its
+            # predecessor held, since this process renews the same lease.
+            await coordinator.reap_node(coordinator.node_id, force=True)
             await coordinator.renew_lease()
             await coordinator.refresh()
         if background:
@@ -202,15 +207,10 @@ class Coordinator:
         if self._degraded:
             raise CoordinationUnavailableError("coordination is degraded")
         try:
-            return await self.scripts[name](keys=[*self._columns, *extra_keys], args=args)
+            return await self._direct_call(name, args, extra_keys)
         except UNAVAILABLE as exc:
             self._enter_degraded(exc)
             raise CoordinationUnavailableError(str(exc)) from exc
-        except ResponseError as exc:
-            mapped = from_response_error(exc)
-            if mapped is None:
-                raise
-            raise mapped from exc
 
     def _enter_degraded(self, cause: BaseException) -> None:
         if self._degraded:
@@ -357,12 +357,15 @@ class Coordinator:
             rows.append(replace(load, alive=row.id in self._alive_when_degraded))
         return Snapshot(now, self._cache.version, rows, "degraded")
 
-    def rank(self, snap: Snapshot, strategy: str | None = None) -> Ranking:
+    def rank(
+        self, snap: Snapshot, strategy: str | None = None, exclude: Collection[str] = ()
+    ) -> Ranking:
         """Rank a snapshot's eligible rows with a strategy (default: the settings')."""
         name = strategy or self.settings.strategy
         if name not in STRATEGIES:
             raise InvalidArgumentError(f"unknown strategy {name!r}; choose from {STRATEGIES}")
-        return rank(name, eligible(snap.rows), self.settings.weights, self._rr, self._rng)
+        rows = [r for r in eligible(snap.rows) if r.id not in exclude]
+        return rank(name, rows, self.settings.weights, self._rr, self._rng)
 
     # ------------------------------------------------------------------ reservations
 
@@ -373,8 +376,12 @@ class Coordinator:
         strategy: str | None = None,
         *,
         rid: str | None = None,
+        exclude: Collection[str] = (),
     ) -> Reservation:
-        """Choose an instance and record the request on it (see DESIGN.md §4)."""
+        """Choose an instance and record the request on it (see DESIGN.md §4).
+
+        `exclude` names instances not to choose (e.g. one that just refused a connection).
+        """
         for name, value in (
             ("prompt_tokens", prompt_tokens),
             ("expected_output_tokens", expected_output_tokens),
@@ -393,14 +400,17 @@ class Coordinator:
             raise InvalidArgumentError(f"rid {rid!r} must match {ID_RE.pattern}")
         if strategy is not None and strategy not in STRATEGIES:
             raise InvalidArgumentError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+        skip = frozenset(exclude)
         deadline = time.monotonic() + self.settings.queue_timeout_ms / 1000
         while True:
             try:
                 return await self._reserve_shared(
-                    rid, prompt_tokens, expected_output_tokens, strategy
+                    rid, prompt_tokens, expected_output_tokens, strategy, skip
                 )
             except CoordinationUnavailableError:
-                return self._reserve_local(rid, prompt_tokens, expected_output_tokens, strategy)
+                return self._reserve_local(
+                    rid, prompt_tokens, expected_output_tokens, strategy, skip
+                )
             except PoolFullError as full:
                 remaining = deadline - time.monotonic()
                 if self.settings.full_policy == "reject" or remaining <= 0:
@@ -413,13 +423,13 @@ class Coordinator:
                     self.stats.queue_waiting -= 1
 
     async def _reserve_shared(
-        self, rid: str, prompt: int, expected: int, strategy: str | None
+        self, rid: str, prompt: int, expected: int, strategy: str | None, skip: frozenset[str]
     ) -> Reservation:
         async with self._decide:
-            return await self._decide_and_reserve(rid, prompt, expected, strategy)
+            return await self._decide_and_reserve(rid, prompt, expected, strategy, skip)
 
     async def _decide_and_reserve(
-        self, rid: str, prompt: int, expected: int, strategy: str | None
+        self, rid: str, prompt: int, expected: int, strategy: str | None, skip: frozenset[str]
     ) -> Reservation:
         s = self.settings
         if self._degraded:
@@ -428,13 +438,13 @@ class Coordinator:
         if refreshed:
             await self.refresh()
         for attempt in range(s.reserve_retries + 1):
-            ranking = self._rank_for_reserve(strategy)
+            ranking = self._rank_for_reserve(strategy, skip)
             candidates = ranking.ranked[: s.top_k]
             if not candidates and not refreshed:
                 # A young cache may predate a registration: look again before a 503.
                 await self.refresh()
                 refreshed = True
-                ranking = self._rank_for_reserve(strategy)
+                ranking = self._rank_for_reserve(strategy, skip)
                 candidates = ranking.ranked[: s.top_k]
             if not candidates:
                 raise NoInstanceError("no alive instance in pool " + self.pool)
@@ -473,11 +483,11 @@ class Coordinator:
             self.stats.reserve_retries += 1
         raise NoInstanceError("no alive instance accepted the reservation")
 
-    def _rank_for_reserve(self, strategy: str | None) -> Ranking:
+    def _rank_for_reserve(self, strategy: str | None, skip: frozenset[str]) -> Ranking:
         """least_load through the vectorized ranker; other strategies on full rows."""
         name = strategy or self.settings.strategy
-        if name != "least_load":
-            return self.rank(self._current_snapshot(), name)
+        if name != "least_load" or skip:
+            return self.rank(self._current_snapshot(), name, exclude=skip)
         s = self.settings
         ranked, scores = self._columns_view.rank_least_load(
             self._cache,
@@ -518,12 +528,12 @@ class Coordinator:
         )
 
     def _reserve_local(
-        self, rid: str, prompt: int, expected: int, strategy: str | None
+        self, rid: str, prompt: int, expected: int, strategy: str | None, skip: frozenset[str]
     ) -> Reservation:
         """Degraded mode: the same strategy over this node's own counters."""
         existing = self._local.get(rid)
         snap = self._current_snapshot()
-        ranking = self.rank(snap, strategy)
+        ranking = self.rank(snap, strategy, exclude=skip)
         chosen = ranking.choice
         if existing is not None:
             row = self._cache.rows.get(existing.instance_id)
@@ -609,9 +619,14 @@ class Coordinator:
         reply = await self._call("renew_lease", [self.node_id, self.settings.lease_ms])
         return [str(n) for n in reply[2] if str(n) != self.node_id]
 
-    async def reap_node(self, node_id: str) -> int:
-        """Release every reservation of an expired node; 0 if it came back meanwhile."""
-        reply = await self._call("reap_node", [node_id], (self.keys.node_rids(node_id),))
+    async def reap_node(self, node_id: str, *, force: bool = False) -> int:
+        """Release every reservation of an expired node; 0 if it came back meanwhile.
+
+        `force` skips the lease check: only for this node's own id at start-up.
+        """
+        reply = await self._call(
+            "reap_node", [node_id, int(force)], (self.keys.node_rids(node_id),)
+        )
         reaped = int(reply[1])
         if reaped:
             self.stats.reaped += reaped
@@ -660,6 +675,8 @@ class Coordinator:
     async def _reassert(self) -> None:
         """Idempotently restore this node's state, then leave degraded mode."""
         direct = self._direct_call
+        # The specs this node last saw, before a snapshot of an emptied Redis drops them.
+        known = {iid: (row.spec, row.epoch) for iid, row in self._cache.rows.items()}
         pool = getattr(self.redis, "connection_pool", None)
         if pool is not None:  # connections from before a restart are dead: drop them all
             await pool.disconnect()
@@ -704,7 +721,15 @@ class Coordinator:
                     ],
                     (self._node_rids,),
                 )
-                if str(status[0]) == "void":
+                if str(status[0]) == "unknown" and res.instance_id in known:
+                    # Redis lost the instance and its registrar has not re-registered
+                    # it yet: re-register what this node knew, then restore again.
+                    spec, epoch = known.pop(res.instance_id)
+                    with suppress(EpochFencedError):
+                        await direct("register", [spec.id, spec.to_json(), spec.max_slots, epoch])
+                    done.discard(res.rid)
+                    continue
+                if str(status[0]) in ("void", "unknown"):
                     self._local.pop(res.rid, None)
                 elif res.rid in self._local:
                     self._local[res.rid].in_redis = True
@@ -719,8 +744,20 @@ class Coordinator:
     async def _direct_call(
         self, name: str, args: list[Any], extra: tuple[str | bytes, ...] = ()
     ) -> Any:
+        """Run one script with its errors mapped (no degraded-mode bookkeeping)."""
+        script = self.scripts[name]
+        keys = [*self._columns, *extra]
         try:
-            return await self.scripts[name](keys=[*self._columns, *extra], args=args)
+            for attempt in range(NOSCRIPT_RETRIES + 1):
+                try:
+                    return await script(keys=keys, args=args)
+                except NoScriptError:
+                    # redis-py reloads once itself; a second SCRIPT FLUSH between its
+                    # load and its retry lands here. Load again (no EVAL: see the ACL).
+                    if attempt == NOSCRIPT_RETRIES:
+                        raise
+                    await self.redis.script_load(script.script)
+            raise AssertionError("unreachable")
         except ResponseError as exc:
             mapped = from_response_error(exc)
             if mapped is None:

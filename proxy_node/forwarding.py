@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.2  # how soon a vanished client frees its reservation when idle
 CONNECT_TIMEOUT_S = 5.0  # an unreachable engine fails fast enough to retry elsewhere
-MAX_RETRY_PICKS = 4  # reserve calls spent looking for an instance other than the failed one
 ERROR_DETAIL_BYTES = 512  # of an engine's 5xx body, quoted in the 502 message
 
 
@@ -191,40 +190,30 @@ class Exchange:
         return None
 
     async def _reserve(self, excluded: set[str]) -> Reservation | web.StreamResponse:
-        """Reserve an instance not in `excluded`, or answer 503/429/502.
+        """Reserve an instance not in `excluded` (ones that refused a connection).
 
-        A retry uses round_robin: least_load would keep choosing a dead engine that
-        looks idle (it completes nothing), while the rotation moves to the next
-        instance on each call. The pick is bounded by MAX_RETRY_PICKS.
+        Answers 503 (none alive besides the excluded), 429 (pool full) or 400.
         """
-        strategy = "round_robin" if excluded else None
-        for _ in range(MAX_RETRY_PICKS if excluded else 1):
-            started = time.perf_counter()
-            try:
-                res = await self._decide(strategy)
-            except NoInstanceError as exc:
-                return self._error(503, str(exc), "no_instance")
-            except PoolFullError as exc:
-                retry_after = max(1, math.ceil(exc.retry_after_ms / 1000))
+        started = time.perf_counter()
+        try:
+            return await self.coordinator.reserve(
+                self.prompt_tokens, self.expected_output_tokens, rid=self.rid, exclude=excluded
+            )
+        except NoInstanceError as exc:
+            if excluded:
                 return self._error(
-                    429, str(exc), "pool_full", extra={"Retry-After": str(retry_after)}
+                    502,
+                    "no other instance is available after a connection failure",
+                    "upstream_unreachable",
                 )
-            except InvalidArgumentError as exc:
-                return self._error(400, str(exc), "invalid_request")
-            finally:
-                self.metrics.decisions.observe(time.perf_counter() - started)
-            if res.instance_id not in excluded:
-                return res
-            await self._release(res.rid)
-        return self._error(
-            502, "no other instance is available after a connection failure", "upstream_unreachable"
-        )
-
-    async def _decide(self, strategy: str | None) -> Reservation:
-        """One reserve call (the Coordinator serializes a node's decisions)."""
-        return await self.coordinator.reserve(
-            self.prompt_tokens, self.expected_output_tokens, strategy, rid=self.rid
-        )
+            return self._error(503, str(exc), "no_instance")
+        except PoolFullError as exc:
+            retry_after = max(1, math.ceil(exc.retry_after_ms / 1000))
+            return self._error(429, str(exc), "pool_full", extra={"Retry-After": str(retry_after)})
+        except InvalidArgumentError as exc:
+            return self._error(400, str(exc), "invalid_request")
+        finally:
+            self.metrics.decisions.observe(time.perf_counter() - started)
 
     # ------------------------------------------------------------------ one attempt
 

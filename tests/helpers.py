@@ -43,10 +43,21 @@ async def live_reservations(c: Coordinator) -> dict[str, dict[str, Any]]:
 
 
 async def assert_counters_match_reservations(c: Coordinator) -> None:
-    """DESIGN.md §6: every counter equals the live reservations in its phase; none < 0."""
-    stored = await counters(c)
-    records = await live_reservations(c)
-    epochs = {k: int(v) for k, v in (await c.redis.hgetall(c.keys.column("epoch"))).items()}
+    """DESIGN.md §6: every counter equals the live reservations in its phase; none < 0.
+
+    Counters, records and epochs are read in one MULTI/EXEC, so a concurrent script
+    cannot fall between the reads (all of a pool's keys share one hash slot).
+    """
+    pipe = c.redis.pipeline(transaction=True)
+    for name in (*COUNTER_COLUMNS, "reservations", "epoch"):
+        pipe.hgetall(c.keys.column(name))
+    *raw_counters, raw_records, raw_epochs = await pipe.execute()
+    stored = {
+        name: {k: int(v) for k, v in raw.items()}
+        for name, raw in zip(COUNTER_COLUMNS, raw_counters, strict=True)
+    }
+    records = {rid: json.loads(v) for rid, v in raw_records.items()}
+    epochs = {k: int(v) for k, v in raw_epochs.items()}
     expected: dict[str, dict[str, int]] = {
         name: dict.fromkeys(epochs, 0) for name in COUNTER_COLUMNS
     }

@@ -9,8 +9,9 @@
 -- ARGV[5] = phase ('prefill' or 'decode')
 -- ARGV[6] = prompt_tokens, ARGV[7] = expected_output_tokens
 -- ARGV[8] = prefill_ms (ms), ARGV[9] = decode_ms (ms)
--- returns {'restored'|'advanced'|'exists'|'void'}
---   void: the instance is unknown or runs another epoch; the caller forgets it
+-- returns {'restored'|'advanced'|'exists'|'void'|'unknown'}
+--   void: the instance runs another epoch; the caller forgets the reservation
+--   unknown: the instance is not registered (yet); the caller may register it, retry
 local rid, node, id = ARGV[1], ARGV[2], ARGV[3]
 if not valid_id(rid) or not valid_id(node) or not valid_id(id) then
   return fail('bad_arg', 'rid, node and instance must be ids')
@@ -24,7 +25,8 @@ if epoch == nil or prompt == nil or expected == nil or prefill_ms == nil or deco
 end
 local now = now_ms()
 local stored_epoch = redis.call('HGET', K_EPOCH, id)
-if not stored_epoch or tonumber(stored_epoch) ~= epoch then return {'void'} end
+if not stored_epoch then return {'unknown'} end
+if tonumber(stored_epoch) ~= epoch then return {'void'} end
 local raw = redis.call('HGET', K_RES, rid)
 if raw then
   local rec = cjson.decode(raw)
