@@ -906,7 +906,8 @@ and the fix that landed:
    after every `kill_node`: `still_in_redis_after_1.5_leases` equals the dead
    process's reservations. Fix: at start-up, before its first `renew_lease`, a node
    releases every reservation recorded under its own id (a `reap_node` that ignores
-   the lease, for the caller's own id).
+   the lease, for the caller's own id). **Fixed:** `Coordinator.connect` reaps its
+   own id with `reap_node.lua`'s new `force` argument before the first `renew_lease`.
 2. **After Redis restarts empty, a node can drop live reservations on instances that
    another node registered.** The first node to re-assert restores its reservations
    before the other node has re-registered its self-registered engines; `restore.lua`
