@@ -27,6 +27,17 @@ def _number(name: str, value: Any, *, minimum: float = 0.0, optional: bool = Fal
         raise InvalidArgumentError(f"{name} must be finite and >= {minimum}, got {value}")
 
 
+def _utf8(value: Any) -> bool:
+    """A str that UTF-8 can carry (JSON decoding lets lone surrogates through)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class InstanceSpec:
     """What an engine instance declares when it registers."""
@@ -60,10 +71,10 @@ class InstanceSpec:
             _number(name, getattr(self, name), optional=True)
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 0:
             raise InvalidArgumentError(f"epoch must be a non-negative integer, got {self.epoch!r}")
-        if self.model is not None and not isinstance(self.model, str):
-            raise InvalidArgumentError("model must be a string")
-        if not all(isinstance(t, str) for t in self.tags):
-            raise InvalidArgumentError("tags must be strings")
+        if self.model is not None and not _utf8(self.model):
+            raise InvalidArgumentError("model must be a valid UTF-8 string")
+        if not all(_utf8(t) for t in self.tags):
+            raise InvalidArgumentError("tags must be valid UTF-8 strings")
 
     @property
     def has_timing(self) -> bool:
