@@ -32,7 +32,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -48,7 +47,7 @@ from redis.asyncio import Redis
 
 from coordinator.embedded import EmbeddedRedis
 from coordinator.keys import PoolKeys
-from proxy_node.cluster import Child, LocalCluster
+from proxy_node.cluster import Child, LocalCluster, free_port_block
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
 RESULTS_START = "```json soak-results"
@@ -71,22 +70,6 @@ MAX_FAILURE_EXAMPLES = 3  # request ids quoted per failure cause
 def now() -> float:
     """Monotonic seconds."""
     return time.monotonic()
-
-
-def free_port_block(nodes: int, engines: int) -> int:
-    """A base port whose node and engine ports (LocalCluster's layout) are free now."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20_000, 55_000, 2)
-        ports = [base + i for i in range(2 * nodes)] + [base + 100 + j for j in range(engines)]
-        try:
-            for port in ports:
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port block")
 
 
 def rss_kib(pid: int) -> int | None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib
+
+from coordinator.cli import add_module_parsers
 
 # name -> (module, one-line help). Each module defines
 #   add_arguments(parser: argparse.ArgumentParser) -> None
@@ -31,16 +32,7 @@ BENCHES: dict[str, tuple[str, str]] = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One nested subparser per benchmark."""
     sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    for name, (module_name, help_text) in BENCHES.items():
-        module = importlib.import_module(module_name)
-        child = sub.add_parser(
-            name,
-            help=help_text,
-            description=help_text,
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        )
-        module.add_arguments(child)
-        child.set_defaults(_bench_module=module)
+    add_module_parsers(sub, BENCHES, "_bench_module")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from coordinator import Coordinator, InstanceSpec, Settings
+from coordinator import Coordinator, Settings
 from coordinator.benchmarks_docs import write_section
+from coordinator.benchmarks_pool import register_idle_pool
 from coordinator.embedded import EmbeddedRedis
 from coordinator.strategies import RoundRobin, eligible, least_load
 
@@ -80,27 +81,10 @@ def _node(args: tuple[str, str, str, int, str, Any]) -> list[str]:
     return asyncio.run(_burst(*args))
 
 
-async def _setup(url: str, pool: str, instances: int) -> None:
-    c = await Coordinator.connect(
-        url, pool=pool, node_id="setup", settings=SETTINGS, background=False
-    )
-    for i in range(instances):
-        await c.register_instance(
-            InstanceSpec(
-                id=f"inst-{i:02d}",
-                url=f"http://127.0.0.1:{21000 + i}",
-                prefill_ms_per_token=0.08,
-                prefill_overhead_ms=10.0,
-                decode_ms_per_token=16.0,
-            )
-        )
-    await c.close()
-
-
 def trial(url: str, strategy: str, nodes: int, burst: int, instances: int, n: int) -> int:
     """One burst; returns max - min of reservations per instance."""
     pool = f"herd-{strategy}-{n}-{int(time.time() * 1000) % 1000000}"
-    asyncio.run(_setup(url, pool, instances))
+    asyncio.run(register_idle_pool(url, pool, instances, SETTINGS))
     ctx = mp.get_context("spawn")
     try:
         with ctx.Manager() as manager, ctx.Pool(nodes) as workers:
@@ -111,7 +95,7 @@ def trial(url: str, strategy: str, nodes: int, burst: int, instances: int, n: in
     finally:
         _cleanup(url, pool)
     counts = Counter(p for node_picks in picks for p in node_picks)
-    per_instance = [counts.get(f"inst-{i:02d}", 0) for i in range(instances)]
+    per_instance = [counts.get(f"inst-{i:04d}", 0) for i in range(instances)]
     return max(per_instance) - min(per_instance)
 
 

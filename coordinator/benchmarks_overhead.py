@@ -24,8 +24,9 @@ from typing import Any
 
 from redis import Redis as SyncRedis
 
-from coordinator import Coordinator, InstanceSpec, Settings
+from coordinator import Coordinator, Settings
 from coordinator.benchmarks_docs import checkout_root, write_section
+from coordinator.benchmarks_pool import register_idle_pool
 from coordinator.embedded import EmbeddedRedis
 
 SETTINGS = Settings(instance_ttl_ms=600_000, heartbeat_interval_ms=1_000, redis_timeout_ms=2_000)
@@ -66,24 +67,6 @@ def _node_process(args: tuple[str, str, str, int, int]) -> dict[str, Any]:
     return asyncio.run(_node(*args))
 
 
-async def _setup(url: str, pool: str, instances: int) -> None:
-    c = await Coordinator.connect(
-        url, pool=pool, node_id="setup", settings=SETTINGS, background=False
-    )
-    for i in range(instances):
-        await c.register_instance(
-            InstanceSpec(
-                id=f"inst-{i:04d}",
-                url=f"http://127.0.0.1:{20000 + i}",
-                max_slots=64,
-                prefill_ms_per_token=0.08,
-                prefill_overhead_ms=10.0,
-                decode_ms_per_token=16.0,
-            )
-        )
-    await c.close()
-
-
 def evalsha_calls(client: SyncRedis) -> int:
     """Total EVALSHA + EVAL calls the server has executed."""
     stats = client.info("commandstats")
@@ -93,7 +76,7 @@ def evalsha_calls(client: SyncRedis) -> int:
 def run_case(url: str, instances: int, nodes: int, decisions: int, max_age: int) -> dict[str, Any]:
     """One (instances, nodes) point: every node process runs `decisions` cycles."""
     pool = f"bench-{instances}-{nodes}-{max_age}-{int(time.time() * 1000) % 100000}"
-    asyncio.run(_setup(url, pool, instances))
+    asyncio.run(register_idle_pool(url, pool, instances, SETTINGS, max_slots=64))
     client = SyncRedis.from_url(url)
     try:
         before = evalsha_calls(client)

@@ -24,6 +24,24 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def add_module_parsers(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    table: dict[str, tuple[str, str]],
+    attribute: str,
+) -> None:
+    """One child parser per (module, help) entry; the module is stored under `attribute`."""
+    for name, (module_name, help_text) in table.items():
+        module = importlib.import_module(module_name)
+        child = sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+        module.add_arguments(child)
+        child.set_defaults(**{attribute: module})
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (every subcommand with its flags)."""
     parser = argparse.ArgumentParser(
@@ -37,16 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="logging level (default: INFO)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
-        child = sub.add_parser(
-            name,
-            help=help_text,
-            description=help_text,
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        )
-        module.add_arguments(child)
-        child.set_defaults(_module=module)
+    add_module_parsers(sub, SUBCOMMANDS, "_module")
     return parser
 
 
