@@ -48,6 +48,7 @@ import aiohttp
 
 from coordinator.engine_model import EngineTiming
 from coordinator.settings import STRATEGIES, Settings, Weights
+from coordinator.sim.cli import strategy_list
 from coordinator.sim.simulator import SimConfig, StrategyResult, compare, percentile
 from coordinator.sim.traces import (
     TraceError,
@@ -759,18 +760,6 @@ def markdown(run: LiveRun, command: Sequence[str] | None = None) -> str:
 # Command line.
 
 
-def _strategies(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if names == ["all"]:
-        return list(STRATEGIES)
-    unknown = [n for n in names if n not in STRATEGIES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown strategies {unknown}; the proxy nodes run {', '.join(STRATEGIES)}"
-        )
-    return names
-
-
 def _speed(text: str) -> float | None:
     if text == "auto":
         return None
@@ -808,7 +797,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--strategies",
-        type=_strategies,
+        type=strategy_list(STRATEGIES),
         default=list(STRATEGIES),
         help=f"comma list from {', '.join(STRATEGIES)} (or 'all')",
     )

@@ -28,15 +28,10 @@ from coordinator import Coordinator, Settings
 from coordinator.benchmarks_docs import checkout_root, write_section
 from coordinator.benchmarks_pool import register_idle_pool
 from coordinator.embedded import EmbeddedRedis
+from coordinator.sim.simulator import nearest_rank
 
 SETTINGS = Settings(instance_ttl_ms=600_000, heartbeat_interval_ms=1_000, redis_timeout_ms=2_000)
 COMMAND = "coordinator bench overhead"
-
-
-def pct(values: list[float], q: float) -> float:
-    """The q-quantile (nearest rank) of a non-empty list."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _node(url: str, pool: str, node: str, decisions: int, max_age: int) -> dict[str, Any]:
@@ -96,8 +91,8 @@ def run_case(url: str, instances: int, nodes: int, decisions: int, max_age: int)
         "instances": instances,
         "nodes": nodes,
         "max_age": max_age,
-        "p50": pct(decide, 0.5) * 1e6,
-        "p99": pct(decide, 0.99) * 1e6,
+        "p50": nearest_rank(decide, 0.5) * 1e6,
+        "p99": nearest_rank(decide, 0.99) * 1e6,
         "ping": statistics.median(ping) * 1e6,
         "calls_per_request": calls / (decisions * nodes),
     }

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from coordinator.connection import redact
+from coordinator.sim.simulator import nearest_rank
 from proxy_node.cluster import LocalCluster
 
 WORDS = "the fleet reserves every request in redis so no node herds onto one engine".split()
@@ -106,14 +107,6 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
         return Result(0, "?", ttft, time.perf_counter() - start, type(exc).__name__)
 
 
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank quantile; NaN for an empty list."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 async def sample_pressure(session: aiohttp.ClientSession, control: str) -> dict[str, Any]:
     """One /debug/instance_loads document (empty on error)."""
     try:
@@ -197,8 +190,8 @@ def report(run: dict[str, Any]) -> str:
         ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
         e2e = [r.e2e_s * 1000 for r in ok]
         lines.append(
-            f"{name:<12}{len(group):>9}{pct(ttft, 0.5):>10.0f}{pct(ttft, 0.99):>10.0f}"
-            f"{pct(e2e, 0.5):>10.0f}{pct(e2e, 0.99):>10.0f}"
+            f"{name:<12}{len(group):>9}{nearest_rank(ttft, 0.5):>10.0f}{nearest_rank(ttft, 0.99):>10.0f}"
+            f"{nearest_rank(e2e, 0.5):>10.0f}{nearest_rank(e2e, 0.99):>10.0f}"
         )
     failed = [r for r in results if r.status != 200]
     lines.append("")

@@ -7,6 +7,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from coordinator.errors import InvalidArgumentError
@@ -16,16 +17,24 @@ from coordinator.sim.simulator import EXPECTED_OUTPUT_MODES, STRATEGIES, SimConf
 from coordinator.sim.traces import TraceError
 
 
-def _strategies(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if names == ["all"]:
-        return list(STRATEGIES)
-    unknown = [n for n in names if n not in STRATEGIES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)} or 'all'"
-        )
-    return names
+def strategy_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma list of names from `choices`, or 'all'."""
+
+    def parse(text: str) -> list[str]:
+        names = [s.strip() for s in text.split(",") if s.strip()]
+        if names == ["all"]:
+            return list(choices)
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown strategies {unknown}; choose from {', '.join(choices)} or 'all'"
+            )
+        return names
+
+    return parse
+
+
+_strategies = strategy_list(STRATEGIES)
 
 
 def _weights(text: str) -> Weights:

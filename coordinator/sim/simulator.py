@@ -146,6 +146,14 @@ class StrategyResult:
         }
 
 
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """Nearest-rank q-quantile (q in 0..1) of unsorted values; NaN when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (q in 0..100) of already sorted values."""
     if not sorted_values:
