@@ -748,16 +748,14 @@ class Coordinator:
         script = self.scripts[name]
         keys = [*self._columns, *extra]
         try:
-            for attempt in range(NOSCRIPT_RETRIES + 1):
+            for _ in range(NOSCRIPT_RETRIES):
                 try:
                     return await script(keys=keys, args=args)
                 except NoScriptError:
                     # redis-py reloads once itself; a second SCRIPT FLUSH between its
                     # load and its retry lands here. Load again (no EVAL: see the ACL).
-                    if attempt == NOSCRIPT_RETRIES:
-                        raise
                     await self.redis.script_load(script.script)
-            raise AssertionError("unreachable")
+            return await script(keys=keys, args=args)
         except ResponseError as exc:
             mapped = from_response_error(exc)
             if mapped is None:
