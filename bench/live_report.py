@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mdsection import write_section
-
-from coordinator.bench_live import AGREEMENT, LiveConfig, LiveRun, markdown, run_live
+from bench.docs import write_section
+from bench.live import AGREEMENT, LiveConfig, LiveRun, markdown, run_live
 from coordinator.settings import STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -31,9 +31,8 @@ from aiohttp import web
 from redis import Redis as SyncRedis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mdsection import write_section
-
-from coordinator.embedded import EmbeddedRedis, free_port
+from bench.docs import write_section
+from local_fleet.embedded import EmbeddedRedis, free_port
 
 CHUNKS = 4  # SSE chunks per answer; TTFT is the first one
 TIMING = {"prefill_ms_per_token": 0.001, "prefill_overhead_ms": 0.1, "decode_ms_per_token": 0.01}
@@ -181,7 +180,7 @@ def run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
             [
                 sys.executable,
                 "-m",
-                "coordinator.cli",
+                "coordinator_cli.main",
                 "--log-level",
                 "WARNING",
                 "serve",

@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from coordinator import Coordinator, InstanceSpec, Settings  # noqa: E402
-from coordinator.embedded import EmbeddedRedis  # noqa: E402
 from coordinator.keys import PoolKeys  # noqa: E402
 from coordinator.scripts import Scripts  # noqa: E402
+from local_fleet.embedded import EmbeddedRedis  # noqa: E402
 
 DOC = ROOT / "docs" / "scaling.md"
 SETTINGS = Settings(instance_ttl_ms=600_000, heartbeat_interval_ms=1_000, redis_timeout_ms=5_000)
@@ -573,9 +573,9 @@ def render(r: Results) -> str:
         "Rerun the command to regenerate this file. A dedicated server core is faster;",
         "treat the absolute µs as an upper bound and the ratios as the finding.",
         "",
-        "Related tests: `pytest tests/test_redis_cluster.py` (a 3-primary cluster: pools on",
+        "Related tests: `pytest tests/library/test_redis_cluster.py` (a 3-primary cluster: pools on",
         "different shards, the invariants, NOSCRIPT after SCRIPT FLUSH on every primary,",
-        "losing one primary, two proxy nodes) and `pytest tests/test_sentinel.py -s` (the",
+        "losing one primary, two proxy nodes) and `pytest tests/library/test_sentinel.py -s` (the",
         "failover under streaming load; it prints the gap).",
         "",
         "## How a fleet maps onto Redis",
@@ -776,7 +776,7 @@ def render(r: Results) -> str:
         "sentinels' agreement, leader election and the promotion; lower",
         "`down-after-milliseconds` only as far as the network's worst pause allows.",
         "",
-        "tests/test_sentinel.py runs the same failover under streaming load through two",
+        "tests/library/test_sentinel.py runs the same failover under streaming load through two",
         "proxy nodes and checks that every request answers 200, that the nodes follow",
         "the promoted replica, that reservations the old master acknowledged but the",
         "replica never received are restored by the nodes' re-assert, and that counters",
@@ -786,7 +786,7 @@ def render(r: Results) -> str:
         "but never replicated leaves its reservation on the new master for as long as",
         "its node lives: the re-assert only adds. (2) A request that ends while the",
         "re-assert is restoring other reservations can have its own reservation restored",
-        "after it was released locally (the race tests/test_proxy_cluster.py xfails).",
+        "after it was released locally (the race tests/service/test_proxy_cluster.py xfails).",
         "Both close in `Coordinator._reassert`: skip a reservation released before its",
         "restore, queue a release for one released during it, and finally release every",
         "rid of the node's `{pool}:node:<id>:rids` set that the node no longer holds.",

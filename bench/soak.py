@@ -45,9 +45,9 @@ from typing import Any, TextIO
 import aiohttp
 from redis.asyncio import Redis
 
-from coordinator.embedded import EmbeddedRedis
 from coordinator.keys import PoolKeys
-from proxy_node.cluster import Child, LocalCluster, free_port_block
+from local_fleet.cluster import Child, LocalCluster, free_port_block
+from local_fleet.embedded import EmbeddedRedis
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
 RESULTS_START = "```json soak-results"
@@ -837,7 +837,7 @@ a soak run.
 ## The fault suite (`tests/faults/`, runs in CI)
 
 Every test starts real processes on 127.0.0.1: a Redis-compatible server (a private
-one when the fault hits Redis itself), two proxy nodes (`python -m coordinator.cli
+one when the fault hits Redis itself), two proxy nodes (`python -m coordinator_cli.main
 serve`, lease 1.5 s through `COORD_LEASE_MS`, every other knob at its default, Redis
 timeout 100 ms included) and mock engines (`coordinator mock-engine`, self-registered
 through a node's control plane, or listed on every node with `--instance`). An

@@ -4,7 +4,7 @@
 Building those rows costs O(instances) Python objects per decision, so the hot path
 keeps the cache in numpy columns instead, updates only the rows a delta changed, and
 ranks with array arithmetic; the result (order, totals, tie rotation) is identical to
-the reference, which tests/test_fastrank.py checks on random pools. Only the top-k
+the reference, which tests/library/test_fastrank.py checks on random pools. Only the top-k
 candidates are materialized as InstanceLoad rows with their Score objects.
 """
 

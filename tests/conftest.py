@@ -16,7 +16,7 @@ import pytest
 from redis.asyncio import Redis
 
 from coordinator import Coordinator, Settings
-from coordinator.embedded import EmbeddedRedis, ServerUnavailableError
+from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError
 from tests.fake_engine import Harness
 from tests.helpers import delete_pool
 

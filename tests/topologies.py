@@ -28,7 +28,7 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from coordinator.embedded import ServerUnavailableError, find_server_binary, free_port
+from local_fleet.embedded import ServerUnavailableError, find_server_binary, free_port
 from tests.fake_engine import Harness
 from tests.helpers import delete_pool
 

@@ -1,6 +1,6 @@
 """Harness of the fault suite: real processes on loopback, a streaming load, exact checks.
 
-A `Fleet` starts proxy nodes (`python -m coordinator.cli serve`) and mock engines
+A `Fleet` starts proxy nodes (`python -m coordinator_cli.main serve`) and mock engines
 (`coordinator mock-engine`, self-registered through a node's control plane, or listed
 on nodes with `--instance`) as OS processes on free 127.0.0.1 ports, and kills every one of them when the test ends,
 whatever happened. A `Load` sends streaming chat requests round-robin to the nodes
@@ -34,8 +34,8 @@ import aiohttp
 import pytest
 from redis.asyncio import Redis
 
-from coordinator.embedded import EmbeddedRedis, ServerUnavailableError, free_port
 from coordinator.keys import PoolKeys
+from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError, free_port
 from tests.helpers import delete_pool
 
 LEASE_MS = 1500  # every node's lease (COORD_LEASE_MS): a dead node is reaped quickly
@@ -43,7 +43,7 @@ START_TIMEOUT_S = 30.0  # a process must answer its health check by then
 COUNTERS = ("inflight", "pending_prefill", "active_decode")
 MAX_REQUESTS_PER_WORKER = 5000  # bounds each load worker; tests stop them much earlier
 CLIENT_TIMEOUT_S = 30.0  # one whole client request, stream included
-CLI = [sys.executable, "-m", "coordinator.cli", "--log-level", "WARNING"]
+CLI = [sys.executable, "-m", "coordinator_cli.main", "--log-level", "WARNING"]
 PR_SET_PDEATHSIG = 1
 
 # (what, value) printed after the run. Filled through the `measure` fixture: test

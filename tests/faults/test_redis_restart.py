@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from coordinator.embedded import free_port
+from local_fleet.embedded import free_port
 from proxy_node.config import instance_id_for
 from tests.faults.conftest import (
     Fleet,

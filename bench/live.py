@@ -1,0 +1,901 @@
+"""`coordinator bench live`: replay a trace slice through a real local cluster, next to the sim.
+
+For each strategy a fresh `local_fleet.cluster.LocalCluster` (Redis, proxy nodes and
+self-registering mock engines, all real processes on 127.0.0.1) is started with that
+strategy; the proxy picks its strategy per process, not per request. The trace slice
+is scaled to the target utilization exactly as `coordinator bench sim` scales it, then
+replayed `--speed` times faster than recorded: every request goes to the nodes
+round-robin as a streaming chat completion whose prompt is `ContextTokens * 4`
+characters (the shared chars/4 rule gives the count back), with
+`max_tokens = GeneratedTokens` and `X-Mock-Output-Tokens: GeneratedTokens`.
+
+TTFT is measured at the client, from sending the request to the first SSE `data:`
+chunk; end-to-end to the end of the stream. Times are reported in engine time (real
+time x speed), the simulator's unit, and the sim runs the same slice with the same
+fleet. Because the nodes send `max_tokens`, the sim reserves the true output length
+(`expected_output="true"`).
+
+The mock engines divide every duration by the speed, so the nodes' time-based knobs
+are divided too (through their COORD_* environment), otherwise the live fleet would
+see hints that are `speed` times staler and a backlog weight `speed` times smaller
+than the fleet the simulator models:
+
+- engine hints are scraped every `SCRAPE_ENGINE_MS` of engine time (the sim's
+  `hint_interval_ms`) and expire after `HINT_TTL_ENGINE_MS`;
+- least_load's `backlog_ms` weight is multiplied by the speed, as the backlog the
+  nodes compute is in real ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import shlex
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.sim.cli import strategy_list
+from bench.sim.simulator import SimConfig, StrategyResult, compare
+from bench.sim.traces import (
+    TraceError,
+    TraceRequest,
+    load_trace,
+    offered_load,
+    scale_to_utilization,
+)
+from coordinator.settings import STRATEGIES, Settings, Weights
+from coordinator.tokens import CHARS_PER_TOKEN
+from local_fleet.engine_model import EngineTiming
+from local_fleet.stats import percentile
+
+OUTPUT_TOKENS_HEADER = "X-Mock-Output-Tokens"  # local_fleet.mock_engine honours it
+AGREEMENT = 0.20  # live TTFT p50 within this fraction of the sim's counts as agreeing
+SCRAPE_ENGINE_MS = 1000.0  # engine-time hint scrape period (the sim's default interval)
+HINT_TTL_ENGINE_MS = Settings().hint_ttl_ms  # engine-time hint expiry (the sim's default)
+MIN_SCRAPE_S = 0.05  # the nodes never scrape faster than this, whatever the speed
+# --speed auto: the fastest replay that keeps the whole Python cluster and the client
+# (one 2-core machine, shared) out of the measurement. Measured: beyond ~1,500 streamed
+# tokens/s or ~30 requests/s (real) the client's sends run late whenever other processes
+# load the machine, and TTFT drifts from the sim (at 50 requests/s: 0.98x to 1.29x).
+AUTO_TOKENS_PER_S = 1500.0
+AUTO_REQUESTS_PER_S = 30.0
+AUTO_MAX_SPEED = 10.0
+AUTO_MIN_SPEED = 1.0
+START_LEAD_S = 0.25  # the first send is scheduled this long after the replay starts
+# Concurrent tiny requests per node before the replay: they open the client's, the
+# nodes' and the engines' keep-alive connections and load the Lua scripts, so the
+# trace's first burst does not pay one-off start-up costs that the sim does not model.
+WARMUP_PER_NODE = 4
+# Auto-picked ports stay below Linux's ephemeral range (32768+), where any process's
+# outgoing connections could take one between our check and the child's bind.
+START_ATTEMPTS = 3  # with auto-picked ports, a start that fails is retried on a new block
+PROGRESS_EVERY_S = 2.0  # stderr progress period
+FILLER = "lorem ipsum dolor sit amet consectetur adipiscing elit "  # ASCII: 1 char = 1 byte
+
+Progress = Callable[[str], None]
+
+
+# ---------------------------------------------------------------------------
+# Configuration and results.
+
+
+@dataclass(frozen=True, slots=True)
+class LiveConfig:
+    """Parameters of the live fleet and the replay."""
+
+    instances: int = 4  # mock engines
+    nodes: int = 3  # proxy nodes; requests go to them round-robin
+    speed: float | None = None  # engines run this many times faster; None = auto_speed()
+    base_port: int | None = None  # LocalCluster base port; None = pick a free block
+    redis_url: str | None = None  # None = a private embedded server per cluster
+    seed: int = 0  # the sim's seed
+    request_timeout_s: float = 120.0  # one request, real seconds (streaming included)
+    start_timeout_s: float = 60.0  # cluster start-up, real seconds
+
+    def __post_init__(self) -> None:
+        if self.instances < 1 or self.nodes < 1:
+            raise ValueError("instances and nodes must be >= 1")
+        if self.speed is not None and not (math.isfinite(self.speed) and self.speed > 0):
+            raise ValueError(f"speed must be a finite number > 0, got {self.speed}")
+        if self.request_timeout_s <= 0 or self.start_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0")
+
+    @property
+    def rate(self) -> float:
+        """The speed, once resolved (run_live resolves auto before anything starts)."""
+        if self.speed is None:
+            raise ValueError("speed is auto: resolve it with auto_speed() first")
+        return self.speed
+
+    @property
+    def scrape_interval_s(self) -> float:
+        """Real seconds between the nodes' engine scrapes."""
+        return max(MIN_SCRAPE_S, SCRAPE_ENGINE_MS / 1000.0 / self.rate)
+
+    @property
+    def hint_ttl_ms(self) -> int:
+        """Real ms a hint stays fresh (at least two scrape periods)."""
+        return max(
+            math.ceil(2000 * self.scrape_interval_s), math.ceil(HINT_TTL_ENGINE_MS / self.rate)
+        )
+
+    @property
+    def weights(self) -> Weights:
+        """least_load weights for the live nodes: backlog_ms per real ms."""
+        w = Weights()
+        return replace(w, backlog_ms=w.backlog_ms * self.rate)
+
+    def node_env(self) -> dict[str, str]:
+        """COORD_* variables that put the nodes' time-based knobs on engine time."""
+        weights = ",".join(f"{k}={v!r}" for k, v in self.weights.as_dict().items())
+        return {
+            "COORD_SCRAPE_INTERVAL_S": repr(self.scrape_interval_s),
+            "COORD_HINT_TTL_MS": str(self.hint_ttl_ms),
+            "COORD_WEIGHTS": weights,
+            "COORD_REQUEST_TIMEOUT_S": repr(self.request_timeout_s),
+        }
+
+    def sim_config(self) -> SimConfig:
+        """The simulated fleet that matches this live one, in engine time."""
+        return SimConfig(
+            instances=self.instances,
+            nodes=self.nodes,
+            hint_interval_ms=self.scrape_interval_s * 1000.0 * self.rate,
+            hint_ttl_ms=round(self.hint_ttl_ms * self.rate),
+            expected_output="true",  # the nodes reserve max_tokens = the true output
+            seed=self.seed,
+        )
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the client saw of one request (real seconds, loop clock)."""
+
+    index: int
+    node: int
+    due_s: float  # scheduled send time
+    sent_s: float = math.nan  # actual send time
+    first_s: float = math.nan  # first SSE data chunk
+    end_s: float = math.nan  # end of the stream
+    status: int = 0
+    instance: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """Completed: 200, a first chunk, and the stream ended with [DONE]."""
+        return self.status == 200 and not self.error and not math.isnan(self.end_s)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveResult:
+    """One strategy's live run, latencies in engine ms (real ms x speed)."""
+
+    strategy: str
+    requests: int
+    completed: int
+    failed: int
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    e2e_p50_ms: float
+    e2e_p99_ms: float
+    assigned: dict[str, int]  # requests per instance id (from X-Instance-Id)
+    lateness_p50_ms: float  # real ms: actual send - scheduled send
+    lateness_p99_ms: float
+    replay_s: float  # real seconds from the first scheduled send to the last stream end
+    output_tokens_per_s: float  # real-time streamed-token rate across the fleet
+    errors: tuple[str, ...] = ()  # a few distinct failure reasons
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready view."""
+        return {
+            "strategy": self.strategy,
+            "requests": self.requests,
+            "completed": self.completed,
+            "failed": self.failed,
+            "ttft_p50_ms": self.ttft_p50_ms,
+            "ttft_p90_ms": self.ttft_p90_ms,
+            "ttft_p99_ms": self.ttft_p99_ms,
+            "e2e_p50_ms": self.e2e_p50_ms,
+            "e2e_p99_ms": self.e2e_p99_ms,
+            "assigned": dict(self.assigned),
+            "lateness_p50_ms": self.lateness_p50_ms,
+            "lateness_p99_ms": self.lateness_p99_ms,
+            "replay_s": self.replay_s,
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "errors": list(self.errors),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """One strategy, simulated and live, on the same slice."""
+
+    live: LiveResult
+    sim: StrategyResult
+    speed: float = 1.0  # engine ms per real ms of the live run
+
+    @property
+    def ratio(self) -> float:
+        """live TTFT p50 / sim TTFT p50."""
+        base = self.sim.ttft_p50_ms
+        return self.live.ttft_p50_ms / base if base > 0 else math.nan
+
+    @property
+    def agree(self) -> bool:
+        """Live TTFT p50 within AGREEMENT of the sim's (and every request completed)."""
+        return abs(self.ratio - 1.0) <= AGREEMENT and self.live.failed == 0
+
+    def check_line(self) -> str:
+        """The agreement check, with its numbers."""
+        verdict = "PASS" if self.agree else "FAIL"
+        failed = f", {self.live.failed} failed" if self.live.failed else ""
+        return (
+            f"{verdict} {self.live.strategy}: sim and live agree: live TTFT p50 "
+            f"{_ms(self.live.ttft_p50_ms)} ms within {AGREEMENT:.0%} of sim TTFT p50 "
+            f"{_ms(self.sim.ttft_p50_ms)} ms (ratio {self.ratio:.2f}{failed}; "
+            f"client send lateness p99 {self.live.lateness_p99_ms:.1f} ms real)" + self.client_note
+        )
+
+    @property
+    def client_note(self) -> str:
+        """A warning when the client's own lag is as large as the agreement band."""
+        lag_ms = self.live.lateness_p99_ms * self.speed
+        band_ms = AGREEMENT * self.sim.ttft_p50_ms
+        if not lag_ms > band_ms:
+            return ""
+        return (
+            f" — the client lagged {lag_ms:,.0f} ms of engine time at p99, more than the "
+            f"{band_ms:,.0f} ms band: the load generator, not the fleet, is suspect"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LiveRun:
+    """One trace slice, one fleet, several strategies, live and simulated."""
+
+    trace: str
+    offset: int
+    limit: int
+    utilization: float | None  # None = replayed as recorded
+    offered: float
+    span_ms: float  # engine-time arrival span after scaling
+    output_tokens: int
+    config: LiveConfig
+    comparisons: list[Comparison]
+    runtime_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready view (NaN becomes null)."""
+        c = self.config
+        out = {
+            "trace": self.trace,
+            "offset": self.offset,
+            "limit": self.limit,
+            "requests": self.comparisons[0].live.requests if self.comparisons else 0,
+            "utilization_target": self.utilization,
+            "offered_utilization": self.offered,
+            "span_ms": self.span_ms,
+            "output_tokens": self.output_tokens,
+            "config": {
+                "instances": c.instances,
+                "nodes": c.nodes,
+                "speed": c.rate,
+                "seed": c.seed,
+                "node_env": c.node_env(),
+                "sim_hint_interval_ms": c.sim_config().hint_interval_ms,
+                "sim_hint_ttl_ms": c.sim_config().hint_ttl_ms,
+                "agreement": AGREEMENT,
+            },
+            "results": [
+                {
+                    **cmp.live.as_dict(),
+                    "sim": cmp.sim.as_dict(),
+                    "ttft_p50_ratio": cmp.ratio,
+                    "agree": cmp.agree,
+                }
+                for cmp in self.comparisons
+            ],
+            "runtime_s": self.runtime_s,
+        }
+        finite: dict[str, Any] = _finite(out)
+        return finite
+
+
+def _finite(value: Any) -> Any:
+    """NaN (a metric with no sample) becomes None: JSON has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------
+# The trace slice and the requests built from it.
+
+
+def load_slice(
+    path: str | Path,
+    offset: int,
+    limit: int,
+    utilization: float | None,
+    instances: int,
+    timing: EngineTiming | None = None,
+) -> list[TraceRequest]:
+    """Requests offset..offset+limit of a trace, re-based to 0, scaled like the sim does."""
+    if offset < 0 or limit < 1:
+        raise TraceError(f"{path}: need offset >= 0 and limit >= 1")
+    rows = load_trace(path, offset + limit)[offset:]
+    if not rows:
+        raise TraceError(f"{path}: no requests after offset {offset}")
+    first = rows[0].arrival_ms
+    rows = [replace(r, index=i, arrival_ms=r.arrival_ms - first) for i, r in enumerate(rows)]
+    if utilization is not None:
+        rows = scale_to_utilization(rows, timing or EngineTiming(), instances, utilization)
+    return rows
+
+
+def auto_speed(requests: Sequence[TraceRequest]) -> float:
+    """The largest speed (1..10, one decimal) within the AUTO_* real-time load budgets."""
+    span_s = (requests[-1].arrival_ms - requests[0].arrival_ms) / 1000.0
+    if len(requests) < 2 or span_s <= 0:
+        return AUTO_MIN_SPEED
+    tokens_per_s = sum(r.output_tokens for r in requests) / span_s  # engine time
+    requests_per_s = (len(requests) - 1) / span_s
+    speed = min(
+        AUTO_MAX_SPEED,
+        AUTO_TOKENS_PER_S / tokens_per_s if tokens_per_s > 0 else AUTO_MAX_SPEED,
+        AUTO_REQUESTS_PER_S / requests_per_s,
+    )
+    return max(AUTO_MIN_SPEED, math.floor(speed * 10) / 10)
+
+
+def prompt_text(tokens: int) -> str:
+    """Synthetic ASCII text of exactly `tokens * CHARS_PER_TOKEN` characters."""
+    size = tokens * CHARS_PER_TOKEN
+    return (FILLER * (size // len(FILLER) + 1))[:size]
+
+
+def build_request(req: TraceRequest, model: str = "mock") -> tuple[bytes, dict[str, str]]:
+    """The JSON body and headers of one replayed request (streaming chat completion)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt_text(req.prompt_tokens)}],
+        "max_tokens": req.output_tokens,
+        "stream": True,
+    }
+    headers = {
+        "Content-Type": "application/json",
+        OUTPUT_TOKENS_HEADER: str(req.output_tokens),
+        "X-Request-Id": f"live-{req.index}-{random.getrandbits(32):08x}",
+    }
+    return json.dumps(body, separators=(",", ":")).encode(), headers
+
+
+# ---------------------------------------------------------------------------
+# The client: a time-scaled open-loop replay.
+
+
+async def _send(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    out: Outcome,
+) -> None:
+    loop = asyncio.get_running_loop()
+    out.sent_s = loop.time()
+    tail = b""
+    try:
+        async with session.post(url, data=body, headers=headers) as resp:
+            out.status = resp.status
+            out.instance = resp.headers.get("X-Instance-Id", "")
+            if resp.status != 200:
+                detail = (await resp.content.read(200)).decode("utf-8", "replace")
+                out.error = f"HTTP {resp.status}: {detail}".strip()
+                return
+            async for chunk in resp.content.iter_any():
+                if math.isnan(out.first_s) and b"data:" in chunk:
+                    out.first_s = loop.time()
+                tail = (tail + chunk)[-32:]
+            end = loop.time()
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+        return
+    if math.isnan(out.first_s) or b"[DONE]" not in tail:
+        out.error = "stream ended without [DONE]"
+        return
+    out.end_s = end
+
+
+async def warm_up(session: aiohttp.ClientSession, urls: Sequence[str], per_node: int) -> int:
+    """Send `per_node` one-token requests to every node at once; how many completed."""
+    outcomes = [Outcome(-1, k, 0.0) for k in range(len(urls)) for _ in range(per_node)]
+    # One build per request: each gets its own X-Request-Id (the nodes' reservation id).
+    sends = [
+        _send(session, urls[o.node], *build_request(TraceRequest(i, 0.0, 1, 1)), o)
+        for i, o in enumerate(outcomes)
+    ]
+    await asyncio.gather(*sends)
+    return sum(1 for o in outcomes if o.ok)
+
+
+async def replay(
+    requests: Sequence[TraceRequest],
+    node_urls: Sequence[str],
+    speed: float,
+    *,
+    request_timeout_s: float = 120.0,
+    warmup_per_node: int = WARMUP_PER_NODE,
+    label: str = "live",
+    progress: Progress | None = None,
+) -> list[Outcome]:
+    """Send every request at its (scaled) arrival time, round-robin over the nodes."""
+    prepared = [build_request(r) for r in requests]  # built ahead: the send path stays light
+    urls = [f"{u.rstrip('/')}/v1/chat/completions" for u in node_urls]
+    loop = asyncio.get_running_loop()
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+    outcomes: list[Outcome] = []
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        if warmup_per_node > 0:
+            warm = await warm_up(session, urls, warmup_per_node)
+            if progress is not None:
+                progress(f"{label}: warm-up {warm}/{warmup_per_node * len(urls)} completed")
+        start = loop.time() + START_LEAD_S
+        tasks: list[asyncio.Task[None]] = []
+        reporter = (
+            asyncio.create_task(_report(label, outcomes, len(requests), start, progress))
+            if progress is not None
+            else None
+        )
+        try:
+            for req, (body, headers) in zip(requests, prepared, strict=True):
+                node = req.index % len(urls)
+                out = Outcome(req.index, node, start + req.arrival_ms / 1000.0 / speed)
+                outcomes.append(out)
+                delay = out.due_s - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(_send(session, urls[node], body, headers, out)))
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if reporter is not None:
+                reporter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reporter
+    return outcomes
+
+
+async def _report(
+    label: str, outcomes: list[Outcome], total: int, start: float, progress: Progress
+) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(PROGRESS_EVERY_S)
+        sent = sum(1 for o in outcomes if not math.isnan(o.sent_s))
+        done = sum(1 for o in outcomes if o.ok)
+        failed = sum(1 for o in outcomes if o.error)
+        progress(
+            f"{label}: sent {sent}/{total}, completed {done}, failed {failed}, "
+            f"{loop.time() - start:.1f}s"
+        )
+
+
+def summarize(
+    strategy: str, requests: Sequence[TraceRequest], outcomes: Sequence[Outcome], speed: float
+) -> LiveResult:
+    """Percentiles in engine ms, per-instance counts, client lateness and token rate."""
+    to_engine_ms = 1000.0 * speed
+    ok = [o for o in outcomes if o.ok]
+    # From the scheduled arrival, not the actual send: a client that falls behind must
+    # not make the fleet look faster (coordinated omission); lateness is shown apart.
+    ttft = sorted((o.first_s - o.due_s) * to_engine_ms for o in ok)
+    e2e = sorted((o.end_s - o.due_s) * to_engine_ms for o in ok)
+    late = sorted(
+        max(0.0, o.sent_s - o.due_s) * 1000.0 for o in outcomes if not math.isnan(o.sent_s)
+    )
+    assigned = Counter(o.instance for o in outcomes if o.instance)
+    ends = [o.end_s for o in ok]
+    replay_s = (max(ends) - min(o.due_s for o in outcomes)) if ends else math.nan
+    tokens = sum(requests[o.index].output_tokens for o in ok)
+    errors = sorted({o.error for o in outcomes if o.error})[:5]
+    return LiveResult(
+        strategy=strategy,
+        requests=len(outcomes),
+        completed=len(ok),
+        failed=len(outcomes) - len(ok),
+        ttft_p50_ms=percentile(ttft, 50),
+        ttft_p90_ms=percentile(ttft, 90),
+        ttft_p99_ms=percentile(ttft, 99),
+        e2e_p50_ms=percentile(e2e, 50),
+        e2e_p99_ms=percentile(e2e, 99),
+        assigned=dict(sorted(assigned.items(), key=lambda kv: _natural(kv[0]))),
+        lateness_p50_ms=percentile(late, 50),
+        lateness_p99_ms=percentile(late, 99),
+        replay_s=replay_s,
+        output_tokens_per_s=tokens / replay_s if replay_s and replay_s > 0 else math.nan,
+        errors=tuple(errors),
+    )
+
+
+def _natural(text: str) -> tuple[str, int]:
+    head = text.rstrip("0123456789")
+    tail = text[len(head) :]
+    return (head, int(tail) if tail else -1)
+
+
+# ---------------------------------------------------------------------------
+# Clusters.
+
+
+def _delete_pool(redis_url: str, pool: str) -> None:
+    """Delete exactly one pool's keys on a server we do not own."""
+    from redis import Redis
+
+    from coordinator.keys import PoolKeys
+
+    client = Redis.from_url(redis_url)
+    try:
+        for key in client.scan_iter(match=PoolKeys(Settings().key_prefix, pool).pattern()):
+            client.delete(key)
+    finally:
+        client.close()
+
+
+def run_strategy(
+    requests: Sequence[TraceRequest],
+    strategy: str,
+    config: LiveConfig,
+    progress: Progress | None = None,
+) -> LiveResult:
+    """Start a fresh cluster with `strategy`, replay the requests, stop it, summarize."""
+    from local_fleet.cluster import LocalCluster, free_port_block  # only the live bench needs them
+
+    pool = f"live-{strategy.replace('_', '-')}-{os.getpid()}-{random.getrandbits(24):06x}"
+    cluster: LocalCluster | None = None
+    try:
+        for attempt in range(1, START_ATTEMPTS + 1):
+            base = config.base_port or free_port_block(config.nodes, config.instances)
+            cluster = LocalCluster(
+                nodes=config.nodes,
+                engines=config.instances,
+                base_port=base,
+                redis_url=config.redis_url,
+                speed=config.rate,
+                pool=pool,
+                strategy=strategy,
+                node_env=config.node_env(),
+            )
+            if progress is not None:
+                progress(
+                    f"live: {strategy}: starting redis, {config.nodes} nodes, "
+                    f"{config.instances} engines (ports {base}+)"
+                )
+            try:
+                cluster.start(timeout_s=config.start_timeout_s)
+                break
+            except RuntimeError as exc:  # start() has stopped whatever it had started
+                if config.base_port is not None or attempt == START_ATTEMPTS:
+                    raise
+                if progress is not None:
+                    progress(f"live: {strategy}: start failed ({exc}); retrying on other ports")
+        assert cluster is not None
+        outcomes = asyncio.run(
+            replay(
+                requests,
+                cluster.node_urls,
+                config.rate,
+                request_timeout_s=config.request_timeout_s,
+                label=f"live: {strategy}",
+                progress=progress,
+            )
+        )
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        if config.redis_url is not None:
+            with contextlib.suppress(Exception):  # clean-up only: the run's result stands
+                _delete_pool(config.redis_url, pool)
+    result = summarize(strategy, requests, outcomes, config.rate)
+    if progress is not None:
+        progress(
+            f"live: {strategy}: {result.completed}/{result.requests} completed, "
+            f"TTFT p50 {_ms(result.ttft_p50_ms)} ms (engine), "
+            f"lateness p99 {result.lateness_p99_ms:.1f} ms (real)"
+        )
+    return result
+
+
+def run_live(
+    trace: str | Path,
+    *,
+    offset: int = 0,
+    limit: int = 400,
+    utilization: float | None = 0.8,
+    strategies: Sequence[str] = STRATEGIES,
+    config: LiveConfig | None = None,
+    progress: Progress | None = None,
+) -> LiveRun:
+    """Simulate, then replay live, every strategy on the same slice."""
+    config = config or LiveConfig()
+    started = time.monotonic()
+    timing = EngineTiming()  # what LocalCluster's mock engines and the sim both run
+    requests = load_slice(trace, offset, limit, utilization, config.instances, timing)
+    if config.speed is None:
+        config = replace(config, speed=auto_speed(requests))
+        if progress is not None:
+            progress(f"live: --speed auto chose {config.rate:g}")
+    sim_config = config.sim_config()
+    offered = (
+        offered_load(requests, sim_config.timing, config.instances)
+        if len(requests) > 1
+        else math.nan
+    )
+    sims = compare(requests, strategies, sim_config)
+    if progress is not None:
+        progress(
+            "sim: " + ", ".join(f"{s.strategy} TTFT p50 {_ms(s.ttft_p50_ms)} ms" for s in sims)
+        )
+    comparisons = []
+    for strategy, sim in zip(strategies, sims, strict=True):
+        live = run_strategy(requests, strategy, config, progress)
+        comparisons.append(Comparison(live, sim, config.rate))
+    return LiveRun(
+        trace=str(trace),
+        offset=offset,
+        limit=limit,
+        utilization=utilization,
+        offered=offered,
+        span_ms=requests[-1].arrival_ms - requests[0].arrival_ms,
+        output_tokens=sum(r.output_tokens for r in requests),
+        config=config,
+        comparisons=comparisons,
+        runtime_s=time.monotonic() - started,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Rendering.
+
+
+def _ms(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:,.0f}"
+
+
+def describe(run: LiveRun) -> str:
+    """One line of what was replayed."""
+    c = run.config
+    n = run.comparisons[0].live.requests if run.comparisons else 0
+    util = "as recorded" if run.utilization is None else f"{run.utilization:g}"
+    return (
+        f"{n} requests of `{Path(run.trace).name}` (from request {run.offset}), "
+        f"utilization {util} (offered {run.offered:.3f}, arrivals over "
+        f"{run.span_ms / 1000:,.1f} s of engine time), {c.instances} mock engines, "
+        f"{c.nodes} proxy nodes, speed {c.rate:g} "
+        f"(real time = engine time / {c.rate:g}); hints scraped every "
+        f"{c.sim_config().hint_interval_ms:,.0f} ms of engine time in both; "
+        f"{run.output_tokens:,} output tokens; total runtime {run.runtime_s:.0f} s"
+    )
+
+
+def live_table(run: LiveRun) -> str:
+    """Live latencies (engine ms) per strategy, with the client's health columns."""
+    lines = [
+        "| strategy | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms "
+        "| completed | failed | per instance | send lateness p99 (real ms) | tokens/s (real) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for cmp in run.comparisons:
+        r = cmp.live
+        per = " / ".join(str(v) for v in r.assigned.values()) or "-"
+        lines.append(
+            f"| {r.strategy} | {_ms(r.ttft_p50_ms)} | {_ms(r.ttft_p90_ms)} "
+            f"| {_ms(r.ttft_p99_ms)} | {_ms(r.e2e_p50_ms)} | {_ms(r.e2e_p99_ms)} "
+            f"| {r.completed}/{r.requests} | {r.failed} | {per} "
+            f"| {r.lateness_p99_ms:.1f} | {r.output_tokens_per_s:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def comparison_table(run: LiveRun) -> str:
+    """Sim next to live, TTFT p50 with their ratio, and p99 / e2e for context."""
+    lines = [
+        "| strategy | sim TTFT p50 ms | live TTFT p50 ms | live / sim | sim TTFT p99 ms "
+        "| live TTFT p99 ms | sim e2e p50 ms | live e2e p50 ms | sim per instance |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for cmp in run.comparisons:
+        s, r = cmp.sim, cmp.live
+        lines.append(
+            f"| {r.strategy} | {_ms(s.ttft_p50_ms)} | {_ms(r.ttft_p50_ms)} | {cmp.ratio:.2f} "
+            f"| {_ms(s.ttft_p99_ms)} | {_ms(r.ttft_p99_ms)} | {_ms(s.e2e_p50_ms)} "
+            f"| {_ms(r.e2e_p50_ms)} | {' / '.join(str(v) for v in s.assigned)} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown(run: LiveRun, command: Sequence[str] | None = None) -> str:
+    """The full report: what, the live table, sim vs live, the checks, the command."""
+    parts = [
+        describe(run) + ".",
+        "",
+        "Live (engine ms = real ms x speed, measured at the client):",
+        "",
+        live_table(run),
+        "",
+        "Simulated vs live, same slice and fleet:",
+        "",
+        comparison_table(run),
+        "",
+        *(f"- {cmp.check_line()}" for cmp in run.comparisons),
+    ]
+    errors = [e for cmp in run.comparisons for e in cmp.live.errors]
+    if errors:
+        parts += ["", "Failures seen: " + "; ".join(f"`{e}`" for e in errors[:5])]
+    if command:
+        parts += ["", f"Regenerate: `{shlex.join(command)}`"]
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# Command line.
+
+
+def _speed(text: str) -> float | None:
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"speed must be a number > 0 or 'auto', got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `bench live`."""
+    d = LiveConfig()
+    parser.add_argument("--trace", required=True, help="trace file: Azure CSV or JSONL")
+    parser.add_argument("--limit", type=int, default=400, help="requests replayed")
+    parser.add_argument("--offset", type=int, default=0, help="skip this many requests first")
+    parser.add_argument(
+        "--utilization",
+        type=float,
+        default=0.8,
+        help="scale arrivals to this offered load, as `bench sim` does (0 = as recorded)",
+    )
+    parser.add_argument("--instances", type=int, default=d.instances, help="mock engines")
+    parser.add_argument("--nodes", type=int, default=d.nodes, help="proxy nodes")
+    parser.add_argument(
+        "--speed",
+        type=_speed,
+        default="auto",  # argparse runs string defaults through `type`: None
+        metavar="S",
+        help="engines and arrivals run S times faster than recorded; auto: "
+        f"at most {AUTO_MAX_SPEED:g}, lower when the replay would stream more than "
+        f"{AUTO_TOKENS_PER_S:,.0f} tokens/s or {AUTO_REQUESTS_PER_S:g} requests/s in real time",
+    )
+    parser.add_argument(
+        "--strategies",
+        type=strategy_list(STRATEGIES),
+        default=list(STRATEGIES),
+        help=f"comma list from {', '.join(STRATEGIES)} (or 'all')",
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="use this Redis (one fresh pool per strategy, deleted after) "
+        "instead of a private embedded server per cluster",
+    )
+    parser.add_argument(
+        "--base-port",
+        type=int,
+        default=None,
+        help="LocalCluster base port (nodes base+2k, engines base+100+j); default: a free block",
+    )
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the sim")
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=d.request_timeout_s,
+        help="limit of one request in real seconds (bounds the run)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def command(args: argparse.Namespace, speed: float | None = None) -> list[str]:
+    """The command line that reproduces a run (defaults left out, the speed pinned)."""
+    d = LiveConfig()
+    cmd = ["coordinator", "bench", "live", "--trace", str(args.trace)]
+    if args.limit != 400:
+        cmd += ["--limit", str(args.limit)]
+    if args.offset:
+        cmd += ["--offset", str(args.offset)]
+    cmd += ["--utilization", f"{args.utilization:g}"]
+    if args.instances != d.instances:
+        cmd += ["--instances", str(args.instances)]
+    if args.nodes != d.nodes:
+        cmd += ["--nodes", str(args.nodes)]
+    speed = args.speed if speed is None else speed
+    if speed is not None:
+        cmd += ["--speed", f"{speed:g}"]
+    if list(args.strategies) != list(STRATEGIES):
+        cmd += ["--strategies", ",".join(args.strategies)]
+    if args.seed != d.seed:
+        cmd += ["--seed", str(args.seed)]
+    return cmd
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the comparison; exit 0 when it ran (agreement is reported, not enforced)."""
+    try:
+        config = LiveConfig(
+            instances=args.instances,
+            nodes=args.nodes,
+            speed=args.speed,
+            base_port=args.base_port,
+            redis_url=args.redis_url,
+            seed=args.seed,
+            request_timeout_s=args.request_timeout_s,
+        )
+        result = run_live(
+            args.trace,
+            offset=args.offset,
+            limit=args.limit,
+            utilization=args.utilization or None,
+            strategies=args.strategies,
+            config=config,
+            progress=None if args.quiet else _stderr,
+        )
+    except (TraceError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2, allow_nan=False))
+    else:
+        print(markdown(result, command(args, result.config.rate)))
+    return 0
+
+
+__all__ = [
+    "AGREEMENT",
+    "Comparison",
+    "LiveConfig",
+    "LiveResult",
+    "LiveRun",
+    "Outcome",
+    "build_request",
+    "load_slice",
+    "markdown",
+    "prompt_text",
+    "replay",
+    "run_live",
+    "run_strategy",
+    "summarize",
+]

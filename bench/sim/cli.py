@@ -1,0 +1,184 @@
+"""`coordinator bench sim`: replay a trace through the simulator, compare strategies."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from bench.sim.report import markdown, run_trace
+from bench.sim.simulator import EXPECTED_OUTPUT_MODES, STRATEGIES, SimConfig
+from bench.sim.traces import TraceError
+from coordinator.errors import InvalidArgumentError
+from coordinator.settings import Settings, Weights
+
+
+def strategy_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma list of names from `choices`, or 'all'."""
+
+    def parse(text: str) -> list[str]:
+        names = [s.strip() for s in text.split(",") if s.strip()]
+        if names == ["all"]:
+            return list(choices)
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown strategies {unknown}; choose from {', '.join(choices)} or 'all'"
+            )
+        return names
+
+    return parse
+
+
+_strategies = strategy_list(STRATEGIES)
+
+
+def _weights(text: str) -> Weights:
+    try:
+        return Weights.parse(text)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _finite(value: Any) -> Any:
+    """NaN (a metric with no sample) becomes null: JSON has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `bench sim`."""
+    parser.add_argument("--trace", required=True, help="trace file: Azure CSV or JSONL")
+    parser.add_argument("--instances", type=int, default=8, help="engine instances")
+    parser.add_argument("--nodes", type=int, default=3, help="proxy nodes (arrivals round-robin)")
+    parser.add_argument(
+        "--utilization",
+        type=float,
+        default=0.8,
+        help="scale inter-arrival times to this offered load (0 = replay as recorded); "
+        "see bench/sim/traces.py for the capacity definition",
+    )
+    parser.add_argument(
+        "--hint-interval-ms",
+        type=float,
+        default=1000.0,
+        help="engine hints (num_running/num_waiting) are scraped this often",
+    )
+    parser.add_argument(
+        "--hint-ttl-ms",
+        type=int,
+        default=Settings().hint_ttl_ms,
+        help="hints older than this count as missing",
+    )
+    parser.add_argument(
+        "--strategies",
+        type=_strategies,
+        default=list(STRATEGIES),
+        help=f"comma list from {', '.join(STRATEGIES)} (or 'all')",
+    )
+    parser.add_argument("--limit", type=int, default=None, help="use the first N requests")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every random choice")
+    parser.add_argument(
+        "--expected-output",
+        choices=EXPECTED_OUTPUT_MODES,
+        default="avg",
+        help="output length reserved: avg = each node's running average of completed "
+        "outputs (what the proxy knows), true = the trace's (an oracle)",
+    )
+    parser.add_argument(
+        "--max-slots",
+        type=int,
+        default=-1,
+        help="max_slots each instance registers (-1 = the engine's max_batch, 0 = unlimited)",
+    )
+    parser.add_argument(
+        "--weights",
+        type=_weights,
+        default=None,
+        help="least_load weights as name=value,...; unnamed ones keep the seed's defaults",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def command(args: argparse.Namespace) -> list[str]:
+    """The canonical command line that reproduces a run (defaults left out)."""
+    cmd = ["coordinator", "bench", "sim", "--trace", str(args.trace)]
+    cmd += ["--utilization", f"{args.utilization:g}"]
+    if args.instances != 8:
+        cmd += ["--instances", str(args.instances)]
+    if args.nodes != 3:
+        cmd += ["--nodes", str(args.nodes)]
+    if args.hint_interval_ms != 1000.0:
+        cmd += ["--hint-interval-ms", f"{args.hint_interval_ms:g}"]
+    if args.hint_ttl_ms != Settings().hint_ttl_ms:
+        cmd += ["--hint-ttl-ms", str(args.hint_ttl_ms)]
+    if list(args.strategies) != list(STRATEGIES):
+        cmd += ["--strategies", ",".join(args.strategies)]
+    if args.limit is not None:
+        cmd += ["--limit", str(args.limit)]
+    cmd += ["--seed", str(args.seed)]
+    if args.expected_output != "avg":
+        cmd += ["--expected-output", args.expected_output]
+    if args.max_slots != -1:
+        cmd += ["--max-slots", str(args.max_slots)]
+    defaults = Weights().as_dict()
+    weights = args.weights or Weights()
+    changed = {k: v for k, v in weights.as_dict().items() if v != defaults[k]}
+    if changed:
+        cmd += ["--weights", ",".join(f"{k}={v:g}" for k, v in changed.items())]
+    return cmd
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate, then print the comparison table (or JSON)."""
+    try:
+        config = SimConfig(
+            instances=args.instances,
+            nodes=args.nodes,
+            hint_interval_ms=args.hint_interval_ms,
+            hint_ttl_ms=args.hint_ttl_ms,
+            expected_output=args.expected_output,
+            max_slots=args.max_slots,
+            seed=args.seed,
+            weights=args.weights or Weights(),
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+
+    def progress(strategy: str, done: int, total: int) -> None:
+        elapsed = time.monotonic() - started
+        print(
+            f"sim: {strategy} {100 * done // total}% ({done}/{total}) {elapsed:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    try:
+        result = run_trace(
+            args.trace,
+            utilization=args.utilization or None,
+            limit=args.limit,
+            strategies=args.strategies,
+            config=config,
+            progress=None if args.quiet else progress,
+        )
+    except (TraceError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(_finite(result.as_dict()), indent=2, allow_nan=False))
+    else:
+        print(markdown(result, command(args)))
+    return 0

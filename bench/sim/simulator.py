@@ -1,0 +1,487 @@
+"""A deterministic discrete-event simulation of a proxy fleet in front of engines.
+
+The engines are `local_fleet.engine_model.EngineModel`, the same model the mock
+engine runs. The strategies are the real ones from `coordinator.strategies`, scoring
+rows that `coordinator.pressure.instance_load` derives from an in-memory pool with
+the Lua scripts' semantics (`shared_state.SharedState`). Arrivals go to the N nodes
+round-robin, as a load balancer in front of them would spread them. Every node keeps
+its own round-robin counter, random generator and expected-output average, like a
+real proxy process; shared state is seen by every node at once (Redis is one round
+trip away and decisions are serialized).
+
+Strategies:
+
+- `random`, `round_robin`: per-node, no load information;
+- `local_least_inflight`: each node counts only the requests it sent (nginx
+  `least_conn`); this is exactly the coordinator's degraded mode (local counters,
+  lifecycle layer only, round-robin among ties);
+- `least_load_instantaneous`: shared inflight plus engine hints scraped every
+  `hint_interval_ms` (`least_load(..., use_predicted=False)`);
+- `least_load`: the full three-layer score over shared reservations;
+- `power_of_two`: two random candidates, the better by the full score;
+- `oracle`: one central dispatcher that knows every engine's exact state and sends
+  each request where its TTFT is smallest (see `exact_ttft_ms`).
+
+Metrics per request: TTFT = first token - arrival; end-to-end = last token -
+arrival; queue wait = prefill start - arrival (= TTFT - the request's own prefill
+time, since a prefill is one uninterrupted engine iteration). Load imbalance =
+max / mean over instances of the assigned work, where a request's work is its
+`traces.service_ms` (the capacity unit of the utilization definition).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import zlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.sim.shared_state import SharedState
+from bench.sim.traces import TraceRequest, service_ms
+from coordinator.models import InstanceLoad, InstanceRow, InstanceSpec
+from coordinator.pressure import instance_load
+from coordinator.settings import Settings, Weights
+from coordinator.strategies import RoundRobin, least_load, power_of_two, round_robin
+from local_fleet.engine_model import EngineModel, EngineTiming
+from local_fleet.stats import percentile
+
+STRATEGIES = (
+    "random",
+    "round_robin",
+    "local_least_inflight",
+    "least_load_instantaneous",
+    "least_load",
+    "power_of_two",
+    "oracle",
+)
+SHARED = frozenset({"least_load_instantaneous", "least_load", "power_of_two"})
+EXPECTED_OUTPUT_MODES = ("avg", "true")
+LIVENESS_TTL_MS = 2**40  # the sim does not model liveness: every instance stays alive
+
+# Same-time events: engines first (their tokens happened), then scrapes, then arrivals.
+_ENGINE, _SCRAPE = 0, 1
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Parameters of one simulated fleet."""
+
+    instances: int = 8  # engine instances
+    nodes: int = 3  # proxy nodes; arrivals go to them round-robin
+    hint_interval_ms: float = 1000.0  # engine hints are scraped this often (staleness)
+    hint_ttl_ms: int = Settings().hint_ttl_ms  # older hints count as missing
+    expected_output: str = "avg"  # avg: running average of completed outputs; true: oracle
+    initial_expected_output: int = 128  # a node's guess before it has seen a completion
+    max_slots: int = -1  # max_slots registered per instance; -1 = the engine's max_batch
+    seed: int = 0
+    timing: EngineTiming = field(default_factory=EngineTiming)
+    weights: Weights = field(default_factory=Weights)
+
+    def __post_init__(self) -> None:
+        if self.instances < 1 or self.nodes < 1:
+            raise ValueError("instances and nodes must be >= 1")
+        if not self.hint_interval_ms > 0:
+            raise ValueError("hint_interval_ms must be > 0")
+        if self.hint_ttl_ms < 0:
+            raise ValueError("hint_ttl_ms must be >= 0")
+        if self.expected_output not in EXPECTED_OUTPUT_MODES:
+            raise ValueError(f"expected_output must be one of {EXPECTED_OUTPUT_MODES}")
+        if self.initial_expected_output < 0 or self.max_slots < -1:
+            raise ValueError("initial_expected_output must be >= 0 and max_slots >= -1")
+
+    @property
+    def registered_max_slots(self) -> int:
+        """The max_slots every instance registers (0 = unlimited)."""
+        return self.timing.max_batch if self.max_slots < 0 else self.max_slots
+
+    def spec(self, instance_id: str) -> InstanceSpec:
+        """What each simulated engine registers with the coordinator."""
+        t = self.timing
+        return InstanceSpec(
+            id=instance_id,
+            url=f"http://127.0.0.1/{instance_id}",
+            max_slots=self.registered_max_slots,
+            prefill_ms_per_token=t.prefill_ms_per_token,
+            prefill_overhead_ms=t.prefill_overhead_ms,
+            decode_ms_per_token=t.nominal_decode_ms_per_token(),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StrategyResult:
+    """Outcome of one strategy over one trace (times in ms)."""
+
+    strategy: str
+    requests: int
+    completed: int
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    e2e_p50_ms: float
+    e2e_p99_ms: float
+    queue_wait_mean_ms: float
+    imbalance: float  # max / mean of assigned work per instance
+    assigned: tuple[int, ...]  # requests per instance
+    ttft_ms: tuple[float, ...] = field(repr=False)  # per request, for CDFs
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (without per-request samples)."""
+        return {
+            "strategy": self.strategy,
+            "requests": self.requests,
+            "completed": self.completed,
+            "ttft_p50_ms": self.ttft_p50_ms,
+            "ttft_p90_ms": self.ttft_p90_ms,
+            "ttft_p99_ms": self.ttft_p99_ms,
+            "e2e_p50_ms": self.e2e_p50_ms,
+            "e2e_p99_ms": self.e2e_p99_ms,
+            "queue_wait_mean_ms": self.queue_wait_mean_ms,
+            "imbalance": self.imbalance,
+            "assigned": list(self.assigned),
+        }
+
+
+def exact_ttft_ms(
+    engine: EngineModel, prompt_tokens: int, now_ms: float, current_output: int | None
+) -> float:
+    """The TTFT a request submitted now would get if nothing else arrived (oracle).
+
+    Follows EngineModel's rules forward, jumping over decode steps instead of taking
+    them one by one: the iteration in progress ends, then FCFS prefills run while the
+    batch has room, and a full batch decodes until its first sequence finishes.
+    `current_output` is the output length of the sequence being prefilled right now
+    (None when the iteration in progress is a decode step or the engine is idle).
+    tests/benchmarks/test_sim.py checks it against a cloned engine run step by step.
+    """
+    t = engine.timing
+    remaining = [s.output_tokens - s.generated for s in engine.running]
+    busy = engine.next_event_ms()
+    clock = now_ms
+    if busy is not None:
+        clock = busy
+        if current_output is not None:
+            if current_output > 1:
+                remaining.append(current_output - 1)
+        else:
+            remaining = [r - 1 for r in remaining if r > 1]
+    for seq in engine.waiting:
+        clock = _decode_until_room(t, remaining, clock)
+        clock += t.prefill_ms(seq.prompt_tokens)
+        if seq.output_tokens > 1:
+            remaining.append(seq.output_tokens - 1)
+    clock = _decode_until_room(t, remaining, clock)
+    return clock + t.prefill_ms(prompt_tokens) - now_ms
+
+
+def _decode_until_room(t: EngineTiming, remaining: list[int], clock: float) -> float:
+    """Decode a full batch until a sequence finishes (in place); the new clock."""
+    while len(remaining) >= t.max_batch:
+        steps = min(remaining)
+        clock += steps * t.step_ms(len(remaining))
+        remaining[:] = [r - steps for r in remaining if r > steps]
+    return clock
+
+
+@dataclass(slots=True)
+class _Node:
+    rr: RoundRobin
+    rng: random.Random
+    seen_outputs: int = 0
+    seen_count: int = 0
+    local: list[int] = field(default_factory=list)  # this node's inflight per instance
+
+
+class Simulation:
+    """One strategy over one trace; `run()` returns the result."""
+
+    def __init__(
+        self,
+        requests: Sequence[TraceRequest],
+        strategy: str,
+        config: SimConfig | None = None,
+        progress: Progress | None = None,
+    ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+        self.requests = list(requests)
+        self.strategy = strategy
+        self.config = config or SimConfig()
+        self.progress = progress
+        c = self.config
+        self.ids = [f"i{k:03d}" for k in range(c.instances)]
+        self.index = {iid: k for k, iid in enumerate(self.ids)}
+        self.specs = [c.spec(iid) for iid in self.ids]
+        self.engines = [EngineModel(c.timing) for _ in self.ids]
+        self.state = SharedState()
+        for s in self.specs:
+            self.state.register(s, 0)
+        self.nodes = [
+            _Node(
+                # Each node's rotation starts where the real Coordinator's does.
+                RoundRobin(zlib.crc32(f"node-{n}".encode())),
+                random.Random(f"{c.seed}:{strategy}:{n}"),
+                local=[0] * c.instances,
+            )
+            for n in range(c.nodes)
+        ]
+        self.central_rr = RoundRobin()
+        # Sequences submitted to each engine and not yet prefilled, FCFS (oracle).
+        self.unprefilled: list[deque[int]] = [deque() for _ in self.ids]
+        n = len(self.requests)
+        self.node_of = [0] * n
+        self.instance_of = [-1] * n
+        self.expected_of = [0] * n
+        self.first_token = [math.nan] * n
+        self.finished = [math.nan] * n
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._seq = 0
+        self._scheduled: list[float | None] = [None] * c.instances
+        self._outstanding = 0
+        self._static_rows: list[InstanceLoad] | None = None
+
+    # ------------------------------------------------------------------ event loop
+
+    def _push(self, at: float, kind: int, who: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (at, kind, self._seq, who))
+
+    def _reschedule(self, k: int) -> None:
+        at = self.engines[k].next_event_ms()
+        if at is not None and at != self._scheduled[k]:
+            self._push(at, _ENGINE, k)
+        self._scheduled[k] = at
+
+    def run(self) -> StrategyResult:
+        """Replay every request to completion and summarize."""
+        c = self.config
+        uses_hints = self.strategy in SHARED
+        if uses_hints:
+            for k in range(c.instances):
+                # Staggered scrapes: each instance's hints age independently.
+                self._push(c.hint_interval_ms * k / c.instances, _SCRAPE, k)
+        reqs = self.requests
+        total = len(reqs)
+        step = max(1, total // 10)
+        heap = self._heap
+        i = 0
+        while i < total or heap:
+            if heap and (i >= total or heap[0][0] <= reqs[i].arrival_ms):
+                at, kind, _, who = heapq.heappop(heap)
+                if kind == _ENGINE:
+                    if self._scheduled[who] == at:
+                        self._scheduled[who] = None
+                        self._on_engine(who, at)
+                else:
+                    self._scrape(who, at)
+                    if i < total or self._outstanding:
+                        self._push(at + c.hint_interval_ms, _SCRAPE, who)
+                continue
+            self._arrive(reqs[i])
+            i += 1
+            if self.progress is not None and (i % step == 0 or i == total):
+                self.progress(self.strategy, i, total)
+        return self._summary()
+
+    def _on_engine(self, k: int, at: float) -> None:
+        now = int(at)
+        for ev in self.engines[k].advance(at):
+            kind = ev.kind
+            if kind == "token":
+                continue
+            r = int(ev.rid)
+            if kind == "first_token":
+                self.first_token[r] = at
+                self.unprefilled[k].popleft()
+                if self.strategy in SHARED:
+                    self.state.mark_first_token(ev.rid, now)
+            else:  # done
+                self.finished[r] = at
+                self._outstanding -= 1
+                node = self.nodes[self.node_of[r]]
+                node.seen_outputs += self.requests[r].output_tokens
+                node.seen_count += 1
+                node.local[k] -= 1
+                if self.strategy in SHARED:
+                    self.state.release(ev.rid, now)
+        self._reschedule(k)
+
+    def _scrape(self, k: int, at: float) -> None:
+        eng = self.engines[k]
+        self.state.heartbeat(
+            self.ids[k],
+            int(at),
+            {"engine_running": eng.num_running, "engine_waiting": eng.num_waiting},
+        )
+
+    # ------------------------------------------------------------------ decisions
+
+    def _expected_output(self, node: _Node, req: TraceRequest) -> int:
+        if self.config.expected_output == "true":
+            return req.output_tokens
+        if node.seen_count == 0:
+            return self.config.initial_expected_output
+        return round(node.seen_outputs / node.seen_count)
+
+    def _arrive(self, req: TraceRequest) -> None:
+        r = req.index
+        n = r % self.config.nodes
+        node = self.nodes[n]
+        now = int(req.arrival_ms)
+        expected = self._expected_output(node, req)
+        k = self._choose(node, req, now, expected)
+        self.node_of[r] = n
+        self.instance_of[r] = k
+        self.expected_of[r] = expected
+        if self.strategy in SHARED:
+            spec = self.specs[k]
+            self.state.reserve(
+                str(r),
+                f"n{n}",
+                self.ids[k],
+                req.prompt_tokens,
+                expected,
+                spec.prefill_ms(req.prompt_tokens),
+                spec.decode_ms(expected),
+                now,
+            )
+        node.local[k] += 1
+        self._outstanding += 1
+        self.unprefilled[k].append(r)
+        self.engines[k].submit(str(r), req.prompt_tokens, req.output_tokens, req.arrival_ms)
+        self._reschedule(k)
+
+    def _shared_rows(self, now: int) -> list[InstanceLoad]:
+        ttl = self.config.hint_ttl_ms
+        return [
+            instance_load(row, now, instance_ttl_ms=LIVENESS_TTL_MS, hint_ttl_ms=ttl)
+            for row in self.state.rows()
+        ]
+
+    def _local_rows(self, inflight: list[int]) -> list[InstanceLoad]:
+        """Rows from one node's own counters: the coordinator's degraded-mode view."""
+        rows = []
+        for k, spec in enumerate(self.specs):
+            row = InstanceRow(
+                id=spec.id,
+                spec=spec,
+                epoch=1,
+                last_seen_ms=0,
+                max_slots=spec.max_slots,
+                inflight=inflight[k],
+                pending_prefill=0,
+                active_decode=0,
+                prefill_free_at_ms=0,
+                earliest_end_at_ms=None,
+                version=0,
+            )
+            rows.append(
+                instance_load(
+                    row, 0, instance_ttl_ms=LIVENESS_TTL_MS, hint_ttl_ms=0, predicted=False
+                )
+            )
+        return rows
+
+    def _choose(self, node: _Node, req: TraceRequest, now: int, expected: int) -> int:
+        s = self.strategy
+        w = self.config.weights
+        if s == "random":
+            return node.rng.randrange(self.config.instances)
+        if s == "round_robin":
+            if self._static_rows is None:
+                self._static_rows = self._local_rows([0] * len(self.ids))
+            ranking = round_robin(self._static_rows, w, node.rr)
+        elif s == "local_least_inflight":
+            ranking = least_load(
+                self._local_rows(node.local), w, node.rr, use_hints=False, use_predicted=False
+            )
+        elif s == "least_load_instantaneous":
+            ranking = least_load(self._shared_rows(now), w, node.rr, use_predicted=False)
+        elif s == "least_load":
+            ranking = least_load(self._shared_rows(now), w, node.rr)
+        elif s == "power_of_two":
+            ranking = power_of_two(self._shared_rows(now), w, node.rr, node.rng)
+        else:
+            return self._oracle(req)
+        choice = ranking.choice
+        assert choice is not None
+        return self.index[choice.id]
+
+    def _oracle(self, req: TraceRequest) -> int:
+        """Smallest exact TTFT; ties go to the engine holding fewer sequences, then rotate."""
+        best: list[tuple[float, int, int]] = []
+        for k, eng in enumerate(self.engines):
+            pending = self.unprefilled[k]
+            current = None
+            if eng.num_running > len(eng.running):
+                current = self.requests[pending[0]].output_tokens
+            ttft = exact_ttft_ms(eng, req.prompt_tokens, req.arrival_ms, current)
+            best.append((round(ttft, 6), eng.num_running + eng.num_waiting, k))
+        low = min(best)
+        tied = [k for ttft, held, k in best if (ttft, held) == low[:2]]
+        return tied[self.central_rr.take() % len(tied)]
+
+    # ------------------------------------------------------------------ summary
+
+    def _summary(self) -> StrategyResult:
+        timing = self.config.timing
+        ttfts: list[float] = []
+        e2es: list[float] = []
+        waits: list[float] = []
+        work = [0.0] * self.config.instances
+        assigned = [0] * self.config.instances
+        for req in self.requests:
+            r = req.index
+            k = self.instance_of[r]
+            if k >= 0:
+                assigned[k] += 1
+                work[k] += service_ms(timing, req.prompt_tokens, req.output_tokens)
+            if math.isnan(self.finished[r]):
+                continue
+            ttft = self.first_token[r] - req.arrival_ms
+            ttfts.append(ttft)
+            e2es.append(self.finished[r] - req.arrival_ms)
+            waits.append(max(0.0, ttft - timing.prefill_ms(req.prompt_tokens)))
+        samples = tuple(ttfts)
+        ttfts.sort()
+        e2es.sort()
+        mean_work = sum(work) / len(work)
+        return StrategyResult(
+            strategy=self.strategy,
+            requests=len(self.requests),
+            completed=len(ttfts),
+            ttft_p50_ms=percentile(ttfts, 50),
+            ttft_p90_ms=percentile(ttfts, 90),
+            ttft_p99_ms=percentile(ttfts, 99),
+            e2e_p50_ms=percentile(e2es, 50),
+            e2e_p99_ms=percentile(e2es, 99),
+            queue_wait_mean_ms=sum(waits) / len(waits) if waits else math.nan,
+            imbalance=max(work) / mean_work if mean_work > 0 else 1.0,
+            assigned=tuple(assigned),
+            ttft_ms=samples,
+        )
+
+
+def simulate(
+    requests: Sequence[TraceRequest],
+    strategy: str,
+    config: SimConfig | None = None,
+    progress: Progress | None = None,
+) -> StrategyResult:
+    """Run one strategy over a trace (already scaled) and summarize it."""
+    return Simulation(requests, strategy, config, progress).run()
+
+
+def compare(
+    requests: Sequence[TraceRequest],
+    strategies: Sequence[str] = STRATEGIES,
+    config: SimConfig | None = None,
+    progress: Progress | None = None,
+) -> list[StrategyResult]:
+    """Run several strategies over the same trace, in the order given."""
+    return [simulate(requests, s, config, progress) for s in strategies]

@@ -1,0 +1,335 @@
+"""`coordinator cluster`: Redis, N proxy nodes and M registered mock engines, locally.
+
+Every part is a real OS process on 127.0.0.1. The launcher waits for each to be ready
+(by polling its health endpoint, with a deadline), prints how to reach everything,
+and on Ctrl-C or SIGTERM stops engines, then nodes, then Redis, leaving no process
+or temporary directory behind. Children also get SIGTERM if the launcher dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.connection import redact
+from local_fleet.embedded import EmbeddedRedis, die_with_parent
+
+# Below Linux's ephemeral range (32768+), where outgoing connections take ports.
+PORT_RANGE = (20_000, 32_000)
+
+
+def free_port_block(nodes: int, engines: int, rng: random.Random | None = None) -> int:
+    """A base port whose node and engine ports (see LocalCluster) are all free now."""
+    rng = rng or random.Random()
+    for _ in range(200):
+        base = rng.randrange(*PORT_RANGE, 2)
+        ports = [base + i for i in range(2 * nodes)] + [base + 100 + j for j in range(engines)]
+        try:
+            for port in ports:
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free block of loopback ports found")
+
+
+def http_json(url: str, timeout_s: float = 2.0) -> Any:
+    """GET a JSON document (loopback only)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+@dataclass
+class Child:
+    """One launched process and the URL that says it is ready."""
+
+    name: str
+    args: list[str]
+    ready_url: str
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self, env: dict[str, str], log_to: Any) -> None:
+        """Start the process (its output goes to `log_to`)."""
+        self.process = subprocess.Popen(
+            self.args, env=env, stdout=log_to, stderr=log_to, preexec_fn=die_with_parent
+        )
+
+    def wait_ready(self, deadline: float) -> None:
+        """Poll the ready URL until it answers 200; fail fast if the process died."""
+        while True:
+            assert self.process is not None
+            code = self.process.poll()
+            if code is not None:
+                raise RuntimeError(f"{self.name} exited with code {code} during start-up")
+            try:
+                with urllib.request.urlopen(self.ready_url, timeout=1.0) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} not ready at {self.ready_url} in time")
+            time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after the timeout."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@dataclass
+class LocalCluster:
+    """Redis + proxy nodes + mock engines on loopback ports."""
+
+    nodes: int = 3
+    engines: int = 4
+    base_port: int = 8001
+    redis_url: str | None = None
+    speed: float = 1.0
+    pool: str = "demo"
+    token: str | None = None
+    strategy: str = "least_load"
+    engine_args: list[str] = field(default_factory=list)
+    node_env: dict[str, str] = field(default_factory=dict)  # e.g. COORD_* knobs for nodes
+    quiet: bool = True
+    redis: EmbeddedRedis | None = None
+    children: list[Child] = field(default_factory=list)
+
+    def node_port(self, k: int) -> int:
+        """Service port of node k."""
+        return self.base_port + 2 * k
+
+    def control_port(self, k: int) -> int:
+        """Control-plane port of node k."""
+        return self.base_port + 2 * k + 1
+
+    def engine_port(self, j: int) -> int:
+        """Port of mock engine j."""
+        return self.base_port + 100 + j
+
+    @property
+    def node_urls(self) -> list[str]:
+        """Service-plane base URLs of every node."""
+        return [f"http://127.0.0.1:{self.node_port(k)}" for k in range(self.nodes)]
+
+    @property
+    def control_urls(self) -> list[str]:
+        """Control-plane base URLs of every node."""
+        return [f"http://127.0.0.1:{self.control_port(k)}" for k in range(self.nodes)]
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """Base URLs of every mock engine."""
+        return [f"http://127.0.0.1:{self.engine_port(j)}" for j in range(self.engines)]
+
+    def start(self, timeout_s: float = 30.0) -> LocalCluster:
+        """Start everything and wait until every engine is registered and alive."""
+        if self.nodes < 1 or self.engines < 1:
+            raise ValueError("a cluster needs at least one node and one engine")
+        if self.speed <= 0:
+            raise ValueError("--speed must be > 0")
+        deadline = time.monotonic() + timeout_s
+        try:
+            if self.redis_url is None:
+                self.redis = EmbeddedRedis().start()
+                self.redis_url = self.redis.url
+            env = dict(os.environ)
+            env.pop("COORD_TOKEN", None)
+            node_env = {**env, **self.node_env}
+            log_to = subprocess.DEVNULL if self.quiet else None
+            python = [sys.executable, "-m"]
+            auth = ["--token", self.token] if self.token else []
+            for k in range(self.nodes):
+                child = Child(
+                    f"node-{k}",
+                    [
+                        *python,
+                        "proxy_node",
+                        "--redis-url",
+                        self.redis_url,
+                        "--pool",
+                        self.pool,
+                        "--port",
+                        str(self.node_port(k)),
+                        "--control-port",
+                        str(self.control_port(k)),
+                        "--node-id",
+                        f"node-{k}",
+                        "--strategy",
+                        self.strategy,
+                        *auth,
+                    ],
+                    f"http://127.0.0.1:{self.node_port(k)}/healthz",
+                )
+                child.start(node_env, log_to)
+                self.children.append(child)
+            for child in self.children:
+                child.wait_ready(deadline)
+            engines = []
+            for j in range(self.engines):
+                control = self.control_urls[j % self.nodes]
+                child = Child(
+                    f"engine-{j}",
+                    [
+                        *python,
+                        "local_fleet.mock_engine",
+                        "--port",
+                        str(self.engine_port(j)),
+                        "--speed",
+                        str(self.speed),
+                        "--register",
+                        control,
+                        "--instance-id",
+                        f"engine-{j}",
+                        *auth,
+                        *self.engine_args,
+                    ],
+                    f"http://127.0.0.1:{self.engine_port(j)}/health",
+                )
+                child.start(env, log_to)
+                engines.append(child)
+            self.children.extend(engines)
+            for child in engines:
+                child.wait_ready(deadline)
+            self.wait_for_instances(self.engines, deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def alive_instances(self) -> int:
+        """Alive instances as node 0's control plane reports them."""
+        try:
+            listing = http_json(f"{self.control_urls[0]}/v1/instances")
+        except (urllib.error.URLError, OSError, ValueError):
+            return 0
+        rows = listing.get("instances", listing) if isinstance(listing, dict) else listing
+        return sum(1 for row in rows if row.get("alive"))
+
+    def wait_for_instances(self, count: int, deadline: float) -> None:
+        """Block until `count` instances are alive in the pool."""
+        while self.alive_instances() < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {self.alive_instances()} of {count} engines registered")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Stop engines (they unregister), then nodes, then Redis."""
+        for child in reversed(self.children):
+            child.stop()
+        self.children.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def describe(self) -> str:
+        """Every URL, and a redis-cli line for inspecting the pool."""
+        assert self.redis_url is not None
+        host_port = self.redis_url.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
+        host, _, port = host_port.partition(":")
+        lines = [f"redis        {redact(self.redis_url)}"]
+        for k in range(self.nodes):
+            lines.append(
+                f"node-{k}       service {self.node_urls[k]}   control {self.control_urls[k]}"
+            )
+        for j in range(self.engines):
+            lines.append(f"engine-{j}     {self.engine_urls[j]}")
+        pool_key = f"lc:{{{self.pool}}}"
+        lines += [
+            "",
+            "try:",
+            f"  curl -s {self.node_urls[0]}/v1/chat/completions -H 'Content-Type: application/json' "
+            '-d \'{"model":"mock","messages":[{"role":"user","content":"hi"}],"max_tokens":16}\'',
+            f"  curl -s {self.control_urls[0]}/debug/instance_loads | python -m json.tool",
+            f"  redis-cli -h {host} -p {port or 6379} HGETALL '{pool_key}:inflight'",
+            f"  coordinator inspect --redis-url {redact(self.redis_url)} --pool {self.pool}",
+        ]
+        return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `coordinator cluster`."""
+    parser.add_argument("--nodes", type=int, default=3, help="proxy nodes to start")
+    parser.add_argument("--engines", type=int, default=4, help="mock engines to start")
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL"),
+        help="use this Redis instead of a private embedded server (env REDIS_URL)",
+    )
+    parser.add_argument(
+        "--base-port",
+        type=int,
+        default=8001,
+        help="node k serves on base+2k, its control plane on base+2k+1; engine j on base+100+j",
+    )
+    parser.add_argument("--speed", type=float, default=1.0, help="mock engines run S times faster")
+    parser.add_argument("--pool", default="demo", help="pool name")
+    parser.add_argument("--token", default=None, help="control-plane bearer token for all nodes")
+    parser.add_argument(
+        "--strategy",
+        default="least_load",
+        choices=["least_load", "round_robin", "power_of_two"],
+        help="selection strategy of every node",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the cluster and keep it up until Ctrl-C or SIGTERM."""
+    cluster = LocalCluster(
+        nodes=args.nodes,
+        engines=args.engines,
+        base_port=args.base_port,
+        redis_url=args.redis_url,
+        speed=args.speed,
+        pool=args.pool,
+        token=args.token,
+        strategy=args.strategy,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting redis, {args.nodes} nodes and {args.engines} engines...", flush=True)
+    try:
+        cluster.start()
+    except (RuntimeError, ValueError) as exc:
+        print(f"cluster failed to start: {exc}", file=sys.stderr)
+        return 1
+    print(cluster.describe(), flush=True)
+    print("\ncluster is up; Ctrl-C stops everything.", flush=True)
+    try:
+        while not stop.wait(0.5):
+            for child in cluster.children:
+                if child.process is not None and child.process.poll() is not None:
+                    print(f"{child.name} exited unexpectedly; stopping", file=sys.stderr)
+                    stop.set()
+    finally:
+        # Stop first: a closed stdout (the reader went away) must not leave orphans.
+        _say("stopping...")
+        cluster.stop()
+    _say("stopped.")
+    return 0
+
+
+def _say(text: str) -> None:
+    with contextlib.suppress(OSError):
+        print(text, flush=True)

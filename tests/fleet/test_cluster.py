@@ -1,0 +1,189 @@
+"""The local cluster as real processes: Redis, 3 nodes, 4 mock engines (issue 4)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from redis import Redis
+
+from local_fleet.cluster import LocalCluster, free_port_block
+
+pytestmark = [pytest.mark.slow, pytest.mark.real]
+
+
+@pytest.fixture
+def cluster(redis_url: str) -> Iterator[LocalCluster]:
+    """A running cluster on the session's real server (its own pool), stopped after."""
+    pool = f"c{random.randrange(10**9)}"
+    running = LocalCluster(
+        nodes=3,
+        engines=4,
+        base_port=free_port_block(3, 4),
+        redis_url=redis_url,
+        speed=20.0,
+        pool=pool,
+    ).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+        client = Redis.from_url(redis_url)
+        for key in client.scan_iter(match=f"lc:{{{pool}}}:*"):
+            client.delete(key)
+        client.close()
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, i: int) -> tuple[int, str, int]:
+    body = {
+        "model": "mock",
+        "messages": [{"role": "user", "content": "tell me something " * (i % 20 + 1)}],
+        "max_tokens": 8 + i % 24,
+        "stream": True,
+    }
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        chunks = [line async for line in response.content if line.startswith(b"data:")]
+        return response.status, response.headers.get("X-Instance-Id", ""), len(chunks)
+
+
+async def test_burst_through_every_node_then_counters_are_zero(cluster: LocalCluster) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        results = await asyncio.gather(
+            *(_stream(session, cluster.node_urls[i % 3], i) for i in range(60))
+        )
+    assert [status for status, _, _ in results] == [200] * 60
+    assert all(chunks >= 2 for _, _, chunks in results)
+    assert {instance for _, instance, _ in results} == {f"engine-{j}" for j in range(4)}
+    assert cluster.redis_url is not None
+    client = Redis.from_url(cluster.redis_url, decode_responses=True)
+    stem = f"lc:{{{cluster.pool}}}"
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            counters = {
+                name: client.hgetall(f"{stem}:{name}")
+                for name in ("inflight", "pending_prefill", "active_decode")
+            }
+            if all(int(v) == 0 for col in counters.values() for v in col.values()):
+                break
+            assert time.monotonic() < deadline, counters
+            await asyncio.sleep(0.05)
+        assert client.hlen(f"{stem}:reservations") == 0
+        assert len(counters["inflight"]) == 4
+    finally:
+        client.close()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_cluster_command_leaves_nothing_behind_after_sigterm(tmp_path: Path) -> None:
+    base = free_port_block(2, 2)
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "coordinator_cli.main",
+            "cluster",
+            "--nodes",
+            "2",
+            "--engines",
+            "2",
+            "--base-port",
+            str(base),
+            "--speed",
+            "10",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 60
+        for line in proc.stdout:
+            lines.append(line)
+            if "cluster is up" in line or time.monotonic() > deadline:
+                break
+        assert any("cluster is up" in line for line in lines), "".join(lines)
+        assert any("redis-cli" in line for line in lines)
+        children = _children(proc.pid)
+        assert len(children) == 5  # redis + 2 nodes + 2 engines
+        # The server runs inside its temporary directory (--dir): its cwd is that directory.
+        redis_dirs = [
+            Path(os.readlink(f"/proc/{pid}/cwd"))
+            for pid in children
+            if b"-server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        assert len(redis_dirs) == 1 and redis_dirs[0].name.startswith("coordinator-redis-")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    assert "stopped." in out
+    assert [pid for pid in children if _alive(pid)] == []
+    assert not redis_dirs[0].exists()
+
+
+def test_demo_runs_and_prints_its_table() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    base = free_port_block(3, 4)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coordinator_cli.main",
+            "demo",
+            "--duration",
+            "5",
+            "--base-port",
+            str(base),
+            "--speed",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Per-instance results" in out.stdout
+    assert "TTFT p50" in out.stdout and "ALL" in out.stdout
+    assert "least_load pressure over time" in out.stdout
+    assert " 0 failed" in out.stdout

@@ -1,0 +1,81 @@
+"""docker-compose.yml, checked without a Docker engine: commands, ports, variables."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from coordinator.settings import Settings
+from coordinator_cli.main import build_parser
+from local_fleet.mock_engine import config as mock_engine
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES: dict[str, Any] = COMPOSE["services"]
+PROJECT_SERVICES = {name: s for name, s in SERVICES.items() if name != "redis"}
+
+
+def known_environment() -> set[str]:
+    """Every variable the code reads: coordinator knobs, node flags, mock engine, demo."""
+    names = {f"COORD_{f.name.upper()}" for f in fields(Settings)}
+    sources = [*ROOT.glob("proxy_node/*.py"), *ROOT.glob("coordinator/*.py")]
+    for source in sources:
+        names.update(
+            re.findall(r"[\"'](COORD_[A-Z_]+|DEMO_[A-Z_]+|REDIS_URL)[\"']", source.read_text())
+        )
+    names.update(mock_engine._env_name(flag) for flag, *_ in mock_engine._FLAGS)
+    return names
+
+
+@pytest.mark.parametrize("name", sorted(PROJECT_SERVICES))
+def test_every_command_is_a_real_entry_point_with_valid_flags(name: str) -> None:
+    command = PROJECT_SERVICES[name]["command"]
+    assert isinstance(command, list) and command, name
+    args = build_parser().parse_args(command)  # SystemExit on an unknown flag or value
+    assert args.command == command[0]
+
+
+def test_ports_do_not_clash() -> None:
+    published = [
+        int(str(mapping).split(":")[0])
+        for service in SERVICES.values()
+        for mapping in service.get("ports", [])
+    ]
+    assert published, "the compose file publishes no port"
+    assert len(published) == len(set(published)), sorted(published)
+
+
+@pytest.mark.parametrize("name", sorted(PROJECT_SERVICES))
+def test_environment_names_are_read_by_the_code(name: str) -> None:
+    environment = PROJECT_SERVICES[name].get("environment", {})
+    unknown = set(environment) - known_environment()
+    assert not unknown, f"{name} sets variables nothing reads: {sorted(unknown)}"
+
+
+def test_topology_matches_the_local_cluster() -> None:
+    nodes = [n for n, s in SERVICES.items() if s.get("command", [None])[0] == "serve"]
+    engines = [n for n, s in SERVICES.items() if s.get("command", [None])[0] == "mock-engine"]
+    assert len(nodes) == 3 and len(engines) == 4
+    assert "healthcheck" in SERVICES["redis"]
+    for name in nodes:
+        assert SERVICES[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    for name in engines:
+        command = SERVICES[name]["command"]
+        target = command[command.index("--register") + 1]
+        assert any(target == f"http://{node}:8002" for node in nodes), target
+        assert SERVICES[name]["depends_on"], name
+    # Every node gets its Redis and pool from the environment it declares.
+    for name in nodes:
+        env = SERVICES[name]["environment"]
+        assert env["COORD_REDIS_URL"].startswith("redis://redis:")
+        assert env["COORD_POOL"]
+
+
+def test_dockerfile_installs_the_cli() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert "pip install" in text and 'ENTRYPOINT ["coordinator"]' in text

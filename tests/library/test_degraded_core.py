@@ -1,0 +1,180 @@
+"""Coordinator-level degraded mode (DESIGN.md §5) against a private server we stop and start."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import suppress
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from coordinator import Coordinator, EpochFencedError, Settings
+from coordinator.connection import connect_redis
+from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError, free_port
+from tests.helpers import (
+    assert_counters_match_reservations,
+    counters,
+    live_reservations,
+    spec,
+    wait_for,
+)
+
+pytestmark = pytest.mark.real
+
+SETTINGS = Settings(redis_timeout_ms=100, recovery_interval_ms=50)
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedRedis]:
+    """A private server on a fixed port; `stop()` then `start()` brings it back empty."""
+    try:
+        private = EmbeddedRedis(port=free_port()).start()
+    except ServerUnavailableError as exc:
+        pytest.skip(f"no Redis-compatible server binary: {exc}")
+    try:
+        yield private
+    finally:
+        private.stop()
+
+
+@pytest.fixture
+async def node(server: EmbeddedRedis) -> AsyncIterator[Coordinator]:
+    """One node on the private server, with three registered instances."""
+    c = Coordinator(connect_redis(server.url, SETTINGS), pool="p", node_id="n1", settings=SETTINGS)
+    try:
+        for i in range(3):
+            await c.register_instance(spec(i))
+        yield c
+    finally:
+        await c.close()
+
+
+async def assert_redis_equals_local(c: Coordinator) -> None:
+    """Redis holds exactly the node's live local reservations, on the same instance and phase."""
+    records = await live_reservations(c)
+    local = c.local_reservations
+    assert set(records) == set(local)
+    for rid, rec in records.items():
+        assert rec["instance"] == local[rid].instance_id, rid
+        assert rec["phase"] == local[rid].phase, rid
+        assert rec["node"] == c.node_id
+        assert local[rid].in_redis
+    await assert_counters_match_reservations(c)
+    assert set(await c.redis.smembers(c.keys.node_rids(c.node_id))) == set(local)
+    assert await c.redis.zscore(c.keys.column("nodes"), c.node_id) is not None
+
+
+async def test_degraded_then_restart_empty_restores_exact_state(
+    server: EmbeddedRedis, node: Coordinator
+) -> None:
+    c = node
+    kept = [(await c.reserve(100, 10)).rid for _ in range(4)]
+    assert await c.mark_first_token(kept[0])
+    assert c.coordination == "ok"
+
+    server.stop()
+    made = [await c.reserve(100, 10) for _ in range(3)]
+    assert all(r.degraded for r in made)
+    assert c.coordination == "degraded"
+    assert c.stats.degraded_entries == 1
+    assert {r.instance_id for r in made} <= {"i0", "i1", "i2"}
+    assert (await c.snapshot()).coordination == "degraded"
+    # Transitions keep working on local state, and stay idempotent.
+    assert await c.mark_first_token(kept[1]) is True
+    assert await c.mark_first_token(made[0].rid) is True
+    assert await c.release(kept[2]) is True
+    assert await c.release(made[1].rid) is True
+    assert await c.release(kept[2]) is False
+    assert await c.release(made[1].rid) is False
+    assert await c.release("never-reserved") is False
+    again = await c.reserve(100, 10, rid=made[2].rid)
+    assert again.degraded and again.instance_id == made[2].instance_id
+    registered = await c.register_instance(spec(3))
+    assert registered.status == "local"
+    late = await c.reserve(100, 10)
+    assert late.degraded
+    live = {kept[0], kept[1], kept[3], made[0].rid, made[2].rid, late.rid}
+    assert set(c.local_reservations) == live
+
+    server.start()  # same port, empty
+    await wait_for(lambda: c.coordination == "ok", what="coordination to recover")
+    await assert_redis_equals_local(c)
+    assert set(c.local_reservations) == live
+    phases = {rid: rec["phase"] for rid, rec in (await live_reservations(c)).items()}
+    assert phases == {
+        kept[0]: "decode",
+        kept[1]: "decode",
+        kept[3]: "prefill",
+        made[0].rid: "decode",
+        made[2].rid: "prefill",
+        late.rid: "prefill",
+    }
+    assert sum((await counters(c))["inflight"].values()) == len(live)
+    # Registrations were re-asserted too, including the one made while degraded.
+    assert {row.id for row in await c.list_instances()} == {"i0", "i1", "i2", "i3"}
+
+    # Back to normal: shared reservations again, and everything drains to zero.
+    fresh = await c.reserve(100, 10)
+    assert not fresh.degraded
+    for rid in [*live, fresh.rid]:
+        assert await c.release(rid) is True
+    await assert_counters_match_reservations(c)
+    assert all(v == 0 for col in (await counters(c)).values() for v in col.values())
+    assert await live_reservations(c) == {}
+
+
+async def test_unreachable_server_keeping_state_gets_pending_changes(
+    server: EmbeddedRedis, node: Coordinator
+) -> None:
+    c = node
+    kept = [(await c.reserve(100, 10)).rid for _ in range(4)]
+    assert await c.mark_first_token(kept[0])
+    admin = Redis.from_url(server.url, decode_responses=True)
+    try:
+        try:
+            # Scripts (EVALSHA counts as a write) hang and time out until UNPAUSE.
+            await admin.client_pause(60_000, all=False)
+        except ResponseError as exc:
+            pytest.skip(f"server cannot CLIENT PAUSE WRITE: {exc}")
+        made = [await c.reserve(100, 10) for _ in range(3)]
+        assert all(r.degraded for r in made)
+        assert c.coordination == "degraded"
+        assert await c.mark_first_token(kept[1]) is True
+        assert await c.release(kept[2]) is True  # stored in Redis: must be released there later
+        assert await c.release(made[1].rid) is True  # never reached Redis: nothing to undo
+        assert await c.release(kept[2]) is False
+        await admin.client_unpause()
+
+        await wait_for(lambda: c.coordination == "ok", what="coordination to recover")
+        await assert_redis_equals_local(c)
+        records = await live_reservations(c)
+        assert kept[2] not in records and made[1].rid not in records
+        assert set(records) == {kept[0], kept[1], kept[3], made[0].rid, made[2].rid}
+        assert records[kept[1]]["phase"] == "decode"
+        assert sum((await counters(c))["inflight"].values()) == 5
+    finally:
+        with suppress(ResponseError):
+            await admin.client_unpause()
+        await admin.aclose()
+
+
+async def test_fenced_registration_is_not_reasserted(
+    server: EmbeddedRedis, node: Coordinator
+) -> None:
+    c = node
+    assert (await c.register_instance(spec(0, epoch=6))).epoch == 6
+    held = [await c.reserve(100, 10) for _ in range(3)]
+    assert {r.instance_id for r in held} == {"i0", "i1", "i2"}
+    with pytest.raises(EpochFencedError):
+        await c.register_instance(spec(0, epoch=4))  # a stale engine: refused
+
+    server.stop()
+    await c.snapshot()  # notices Redis is gone
+    assert c.coordination == "degraded"
+    server.start()
+    await wait_for(lambda: c.coordination == "ok", what="coordination to recover")
+    epochs = await c.redis.hgetall(c.keys.column("epoch"))
+    assert epochs == {"i0": "6", "i1": "1", "i2": "1"}
+    await assert_redis_equals_local(c)
+    assert set(c.local_reservations) == {r.rid for r in held}

@@ -1,0 +1,334 @@
+"""`coordinator inspect`: the pool read straight from Redis, as JSON, tables, or a live view."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from coordinator import Coordinator, Settings
+from coordinator_cli.main import build_parser
+from local_fleet.embedded import free_port
+from proxy_node.inspect import NODE_ID, read_pool, render
+from tests.fake_engine import Harness
+from tests.helpers import delete_pool, spec, wait_for
+
+pytestmark = pytest.mark.timeout(40)
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+CLI = [sys.executable, "-m", "coordinator_cli.main", "inspect"]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment without coordinator knobs, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COORD_") and k != "REDIS_URL"}
+    env.update(extra)
+    return env
+
+
+async def inspect_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Run `coordinator inspect` as a process: (exit code, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        *CLI,
+        *args,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env or clean_env(),
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def run_inspect(*argv: str) -> int:
+    """Run the subcommand in this process (parsed exactly as the CLI parses it)."""
+    args: argparse.Namespace = build_parser().parse_args(["inspect", *argv])
+    return int(args._module.run(args))
+
+
+async def redis_now_ms(c: Coordinator) -> int:
+    seconds, micros = await c.redis.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+async def add_stale_instance(redis_url: str, pool: str, instance_id: str) -> None:
+    """An instance whose engine stopped heartbeating a minute ago (as stored in Redis)."""
+    c = await Coordinator.connect(
+        redis_url, pool=pool, node_id="setup", settings=Settings(), background=False
+    )
+    try:
+        await c.register_instance(spec(instance_id, url="http://127.0.0.1:9"))
+        await c.redis.hset(
+            c.keys.column("last_seen_ms"), instance_id, await redis_now_ms(c) - 60_000
+        )
+        await c.redis.zrem(c.keys.column("nodes"), "setup")  # leave no lease behind
+    finally:
+        await c.close()
+
+
+async def load_pool(c: Coordinator) -> dict[str, list[str]]:
+    """i0..i3 with 3, 2, 1 and 0 reservations (one in decode), i1 with hints.
+
+    Instances join one by one so least_load puts each batch on the newcomer: every
+    total differs, so no tie at the minimum makes the ranking rotate between reads.
+    """
+    rids: dict[str, list[str]] = {}
+    for i, n in enumerate((3, 2, 1, 0)):
+        await c.register_instance(spec(i))
+        for _ in range(n):
+            res = await c.reserve(100, 20)
+            rids.setdefault(res.instance_id, []).append(res.rid)
+    assert {k: len(v) for k, v in rids.items()} == {"i0": 3, "i1": 2, "i2": 1}
+    await c.mark_first_token(rids["i0"][0])
+    await c.heartbeat_instance("i1", {"engine_running": 2, "engine_waiting": 1})
+    return rids
+
+
+async def prefill_elapsed(c: Coordinator) -> bool:
+    """The predicted prefill windows (a few ms each) are over: backlogs read 0."""
+    snap = await c.snapshot()
+    return all(row.prefill_free_in_ms == 0 for row in snap.rows if row.alive)
+
+
+def normalized(doc: dict[str, Any]) -> dict[str, Any]:
+    """A view with its read-time-relative fields turned into absolute Redis times.
+
+    generated_at is the Redis time of each read, so every age derived from it differs
+    between two reads of unchanged state; `generated_at - age` (the time the instance
+    or hint was last seen) does not. node_id names the reader and is checked apart.
+    The order of `instances` follows each reader's cache (a full read lists them in
+    Redis hash order, a node's cache in the order it learnt them): rows are compared
+    by id. Nothing else is excluded: `rank` is stable because no two eligible totals
+    tie at the minimum (see load_pool), and the backlogs are 0 once prefill_elapsed
+    holds.
+    """
+    doc = json.loads(json.dumps(doc))
+    now = doc.pop("generated_at")
+    doc.pop("node_id")
+    doc["instances"].sort(key=lambda row: row["id"])
+    for row in doc["instances"]:
+        row["last_seen_at_ms"] = now - row.pop("last_seen_age_ms")
+        row["hint_ages_ms"] = {k: now - v for k, v in row["hint_ages_ms"].items()}
+        for hint in row["hints"].values():
+            hint["at_ms"] = now - hint.pop("age_ms")
+    return doc
+
+
+async def test_json_equals_the_nodes_debug_view(
+    harness: Harness, redis_url: str, pool: str
+) -> None:
+    await add_stale_instance(redis_url, pool, "gone")
+    node = await harness.node(await harness.coordinator(node_id="node-a"))
+    await load_pool(node.coordinator)
+    await wait_for(lambda: prefill_elapsed(node.coordinator), what="prefill windows to pass")
+
+    async with harness.http.get(node.control_url + "/debug/instance_loads") as resp:
+        assert resp.status == 200
+        served = await resp.json()
+    code, out, err = await inspect_cli("--json", "--redis-url", redis_url, "--pool", pool)
+    assert (code, err) == (0, "")
+    printed = json.loads(out)
+
+    assert (served["node_id"], printed["node_id"]) == ("node-a", NODE_ID)
+    assert printed["generated_at"] >= served["generated_at"]
+    assert normalized(printed) == normalized(served)
+    # The comparison covers real content, not two empty documents.
+    rows = {row["id"]: row for row in printed["instances"]}
+    assert set(rows) == {"gone", "i0", "i1", "i2", "i3"}
+    assert [rows[i]["inflight"] for i in ("i0", "i1", "i2", "i3")] == [3, 2, 1, 0]
+    assert (rows["i0"]["pending_prefill_count"], rows["i0"]["active_decode_count"]) == (2, 1)
+    assert rows["gone"]["alive"] is False and rows["gone"]["rank"] is None
+    assert [rows[i]["rank"] for i in ("i3", "i2", "i1", "i0")] == [0, 1, 2, 3]
+    assert rows["i1"]["hints"]["engine_running"]["value"] == 2.0
+    # Reading took no lease: only the node is in the pool's node set.
+    nodes = await node.coordinator.redis.zrange(node.coordinator.keys.column("nodes"), 0, -1)
+    assert nodes == ["node-a"]
+
+
+@pytest.fixture
+async def quiet_pool(redis_url: str, pool: str) -> AsyncIterator[Coordinator]:
+    """A loaded pool, one node lease and one expired lease; no background task runs."""
+    await add_stale_instance(redis_url, pool, "gone")
+    c = await Coordinator.connect(
+        redis_url, pool=pool, node_id="node-a", settings=Settings(), background=False
+    )
+    try:
+        await load_pool(c)
+        await c.redis.zadd(c.keys.column("nodes"), {"node-dead": await redis_now_ms(c) - 5_000})
+        yield c
+    finally:
+        await delete_pool(c.redis, c.settings.key_prefix, pool)
+        await c.close()
+
+
+async def test_tables_show_instances_leases_and_phases(
+    quiet_pool: Coordinator, redis_url: str, pool: str
+) -> None:
+    # Flags from the environment, as an operator's shell would set them.
+    env = clean_env(COORD_REDIS_URL=redis_url, COORD_POOL=pool)
+    code, out, err = await inspect_cli(env=env)
+    assert (code, err) == (0, ""), err
+    lines = out.splitlines()
+    ids = {"gone", "i0", "i1", "i2", "i3"}
+    rows = {cells[1]: cells for cells in map(str.split, lines) if cells[1:2] and cells[1] in ids}
+    assert set(rows) == {"gone", "i0", "i1", "i2", "i3"}
+    assert rows["gone"][:3] == ["-", "gone", "stale"]
+    # rank, id, state, epoch, inflight, prefill, decode
+    assert rows["i0"][:7] == ["3", "i0", "alive", "1", "3", "2", "1"]
+    assert rows["i3"][:7] == ["0", "i3", "alive", "1", "0", "0", "0"]
+    assert "run" in rows["i1"] and "wait" in rows["i1"]  # hint ages
+    lease = next(line for line in lines if line.split()[:1] == ["node-a"])
+    assert lease.split()[-1].endswith("s") and float(lease.split()[-1][:-1]) > 0
+    dead = next(line for line in lines if line.split()[:1] == ["node-dead"])
+    assert "expired" in dead and "ago" in dead
+    assert "reservations 6: prefill 5, decode 1" in out
+    assert f"pool {pool}" in out
+
+    # The same frame, rendered for the docs: the SVG the watch screenshot is made from.
+    state = await read_pool(
+        Coordinator(quiet_pool.redis, pool=pool, node_id=NODE_ID, settings=Settings()),
+        Settings(),
+    )
+    console = Console(record=True, width=150, file=io.StringIO(), force_terminal=True)
+    console.print(render(state, redis_url))
+    await asyncio.to_thread(_save_svg, console, ARTIFACTS / "inspect_watch.svg")
+
+
+def _save_svg(console: Console, path: Path) -> None:
+    svg = console.export_svg(title="coordinator inspect --watch")
+    # Rich points its font at a CDN; a viewer of this file should fetch nothing.
+    svg = re.sub(r',\s*url\("https?://[^"]+"\) format\("[^"]+"\)', "", svg)
+    assert "cdnjs" not in svg
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(svg)
+
+
+def test_bad_pool_name_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_inspect("--pool", "a{b}", "--redis-url", "redis://127.0.0.1:1/0") == 2
+    assert "pool name 'a{b}'" in capsys.readouterr().err
+    assert run_inspect("--json", "--watch", "--redis-url", "redis://127.0.0.1:1/0") == 2
+    assert "does not combine" in capsys.readouterr().err
+    for bad in ("0", "-1", "nan", "x", "1e9"):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args(["inspect", "--watch", bad])
+        assert exit_info.value.code == 2
+        assert "--watch" in capsys.readouterr().err
+
+
+def test_unreachable_redis_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    assert run_inspect("--redis-url", url, "--pool", "p") == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "error: Redis at redis://***@127.0.0.1:" in captured.err
+    assert "cannot read pool 'p'" in captured.err and "hunter2" not in captured.err
+    assert run_inspect("--redis-url", "http://127.0.0.1:1", "--pool", "p") == 2
+
+
+class Tmux:
+    """A private tmux server (its own socket) running one command in a fixed-size pane."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.socket = f"inspect-{uuid.uuid4().hex[:8]}"
+        self.conf = tmp / "tmux.conf"
+        self.conf.write_text("set -g remain-on-exit on\nset -g history-limit 200\n")
+
+    async def tmux(self, *args: str) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            "tmux",
+            "-L",
+            self.socket,
+            "-f",
+            str(self.conf),
+            *args,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 10)
+        assert proc.returncode == 0, (args, err.decode())
+        return out.decode()
+
+    async def start(self, command: str) -> None:
+        await self.tmux("new-session", "-d", "-s", "w", "-x", "170", "-y", "40", command)
+
+    async def screen(self) -> str:
+        return await self.tmux("capture-pane", "-p", "-t", "w")
+
+    async def close(self) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            "tmux",
+            "-L",
+            self.socket,
+            "kill-server",
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        await proc.wait()
+
+
+async def test_watch_refreshes_in_place_and_quits_on_ctrl_c(
+    quiet_pool: Coordinator, redis_url: str, pool: str, tmp_path: Path
+) -> None:
+    if shutil.which("tmux") is None or shutil.which("bash") is None:
+        pytest.skip("tmux is not installed (apt-get install -y tmux)")
+    term = Tmux(tmp_path)
+    inspect = shlex.join(
+        [
+            "env",
+            "-u",
+            "COLUMNS",
+            "-u",
+            "LINES",
+            f"COORD_REDIS_URL={redis_url}",
+            f"COORD_POOL={pool}",
+            *CLI,
+            "--watch",
+            "0.2",
+        ]
+    )
+    # bash reports the exit code itself: tmux 3.3 sometimes never reaps a pane's
+    # process, leaving #{pane_dead_status} empty. Ctrl-C reaches bash too, and bash
+    # carries on after a child that handled SIGINT and exited normally.
+    command = shlex.join(["bash", "-c", f'{inspect}; echo "inspect exited with status $?"'])
+    try:
+        await term.start(command)
+        screens: list[str] = []
+
+        async def showing(text: str) -> bool:
+            screens.append(await term.screen())
+            return text in screens[-1]
+
+        await wait_for(lambda: showing("reservations 6: prefill 5, decode 1"), what="first frame")
+        first = screens[-1]
+        assert "i0" in first and "node-a" in first and "stale" in first
+        # New state in Redis: the running watch shows it without being restarted.
+        res = await quiet_pool.reserve(100, 20)
+        await quiet_pool.mark_first_token(res.rid)
+        await wait_for(lambda: showing("reservations 7: prefill 5, decode 2"), what="new frame")
+        # Redrawn in place: one frame on screen, not a scrolling log of frames.
+        assert screens[-1].count("node leases") == 1
+        assert "inspect exited" not in screens[-1]
+
+        await term.tmux("send-keys", "-t", "w", "C-c")
+        await wait_for(lambda: showing("inspect exited with status"), what="the watch to exit")
+        final = screens[-1]
+        assert "inspect exited with status 0" in final, final
+        assert "Traceback" not in final and "KeyboardInterrupt" not in final
+        assert final.count("node leases") == 1  # the last frame stays on screen
+    finally:
+        await term.close()
