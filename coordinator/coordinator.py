@@ -8,7 +8,7 @@ import random
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any
@@ -68,6 +68,8 @@ UNAVAILABLE = (
 )
 MAX_TOKENS = 10_000_000
 NOSCRIPT_RETRIES = 3  # extra loads when scripts are flushed again mid-call
+SPEC_READ_STEP = 500  # instances per read_specs call: bounded work per script
+SWEEP_STEP = 500  # records one reap_node/sweep call may delete
 
 
 @dataclass(slots=True)
@@ -162,6 +164,7 @@ class Coordinator:
         self._reasserting = False
         self._lease_lost = False  # seen expired while re-asserting: start over
         self._renewed_mono = 0.0
+        self._voids_left = 0  # instances with void records to sweep, per renew_lease
         self.on_reaped: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -345,27 +348,82 @@ class Coordinator:
 
     # ------------------------------------------------------------------ snapshot
 
-    async def refresh(self) -> None:
-        """Pull the rows changed since the cached version (a full read the first time)."""
-        since, run_id = self._cache.since()
-        if not self._apply(await self._call("snapshot", [since, run_id])):
-            raise CoordinationUnavailableError("redis lost the pool: re-asserting")
+    async def refresh(self, *, live: bool | None = None) -> None:
+        """Read the pool's packed state (and liveness when due); then any spec changes."""
+        for _ in range(2):
+            due = self._live_due() if live is None else live
+            if not self._apply(await self._call("read_state", [int(due)])):
+                raise CoordinationUnavailableError("redis lost the pool: re-asserting")
+            if self._cache.specs_behind:
+                await self._read_specs(self._call)
+            # Liveness comes again when the view started over or gained instances.
+            if due or not self._live_due():
+                return
 
-    def _apply(self, delta: list[Any]) -> bool:
-        """Merge a delta; False (and a re-assert) when Redis lost the pool meanwhile.
+    def _live_due(self) -> bool:
+        return self._cache.live_age_ms() >= self.settings.live_refresh_ms
+
+    async def _ensure_view(self) -> bool:
+        """Make the cache fit to decide on; True when it re-read the pool state."""
+        s = self.settings
+        if (
+            s.snapshot_max_age_ms == 0
+            or self._cache.age_ms() > s.snapshot_max_age_ms
+            or self._live_due()
+        ):
+            await self.refresh()
+            return True
+        if self._cache.specs_behind:
+            await self._read_specs(self._call)
+            if self._live_due():
+                await self.refresh()
+            return True
+        return False
+
+    def _apply(self, view: list[Any]) -> bool:
+        """Merge a view; False (and a re-assert) when Redis lost the pool meanwhile.
 
         A new run_id means FLUSHDB, eviction or a failover to an empty replica: the
         same loss as a restart, so the node re-registers and re-asserts as after an
         outage. The cache keeps its rows until then: degraded mode selects from them.
         """
-        run = delta[0].decode() if isinstance(delta[0], bytes) else str(delta[0])
+        run = view[0].decode() if isinstance(view[0], bytes) else str(view[0])
         if self._cache.run_id and run != self._cache.run_id and not self._reasserting:
             if not self._degraded:
                 self.stats.pool_losses += 1
             self._enter_degraded(f"redis lost the pool (run_id {self._cache.run_id} -> {run})")
             return False
-        self._cache.apply(delta)
+        self._cache.apply_view(*view[:5])
         return True
+
+    async def _read_specs(self, call: Callable[..., Awaitable[Any]]) -> None:
+        """Bring the cache's specs up to the pool's spec_gen, in bounded steps."""
+        since, cursor, full = max(self._cache.spec_gen, 0), "", False
+        gen = since
+        collected: list[Any] = []
+        while True:
+            reply = await call("read_specs", [since, cursor, SPEC_READ_STEP])
+            mode, nxt, entries = _text(reply[2]), _text(reply[3]), list(reply[4])
+            if _text(reply[0]) != self._cache.run_id:
+                return  # the pool was lost meanwhile: the next view starts over
+            if mode == "delta":
+                self._cache.apply_specs(entries)
+                if not nxt:
+                    self._cache.spec_gen = int(reply[1])
+                    return
+                since = int(nxt)
+                continue
+            if not full:  # the first step of a full read: changes after it come next
+                full, gen = True, int(reply[1])
+            collected += entries
+            if nxt == "0":
+                self._cache.apply_specs(collected, full=True)
+                self._cache.spec_gen = gen
+                if self._cache.specs_behind:
+                    since, cursor, full, collected = gen, "", False, []
+                    continue
+                return
+            cursor = nxt
 
     async def snapshot(self) -> Snapshot:
         """The pool's pressure at the current Redis time, exactly as selection sees it."""
@@ -383,7 +441,7 @@ class Coordinator:
                 instance_load(r, now, instance_ttl_ms=s.instance_ttl_ms, hint_ttl_ms=s.hint_ttl_ms)
                 for r in self._cache.rows.values()
             ]
-            return Snapshot(now, self._cache.version, rows, "ok")
+            return Snapshot(now, self._cache.spec_gen, rows, "ok")
         now = self._cache.estimated_now_ms()
         counts: dict[str, list[int]] = {}
         for res in self._local.values():
@@ -402,7 +460,7 @@ class Coordinator:
                 predicted=False,
             )
             rows.append(replace(load, alive=row.id in self._alive_when_degraded))
-        return Snapshot(now, self._cache.version, rows, "degraded")
+        return Snapshot(now, self._cache.spec_gen, rows, "degraded")
 
     def rank(
         self, snap: Snapshot, strategy: str | None = None, exclude: Collection[str] = ()
@@ -481,9 +539,7 @@ class Coordinator:
         s = self.settings
         if self._degraded:
             raise CoordinationUnavailableError("coordination is degraded")
-        refreshed = s.snapshot_max_age_ms == 0 or self._cache.age_ms() > s.snapshot_max_age_ms
-        if refreshed:
-            await self.refresh()
+        refreshed = await self._ensure_view()
         for attempt in range(s.reserve_retries + 1):
             ranking = self._rank_for_reserve(strategy, skip)
             candidates = ranking.ranked[: s.top_k]
@@ -505,7 +561,6 @@ class Coordinator:
                 int(force),
                 int(s.enforce_max_slots),
                 s.instance_ttl_ms,
-                *self._cache.since(),
                 0 if self._leased else s.lease_ms,
                 len(candidates),
             ]
@@ -513,7 +568,6 @@ class Coordinator:
                 row = self._cache.rows[c.id]
                 args += [
                     c.id,
-                    c.version,
                     c.spec.prefill_ms(prompt),
                     c.spec.decode_ms(expected),
                     row.inflight,
@@ -676,10 +730,9 @@ class Coordinator:
         if not isinstance(rid, str) or not ID_RE.fullmatch(rid):
             raise InvalidArgumentError(f"rid {rid!r} is not a valid id")
         try:
-            reply = await self._call("mark_first_token", [rid, *self._cache.since()])
+            reply = await self._call("mark_first_token", [rid])
         except CoordinationUnavailableError:
             return res is not None
-        self._apply(reply[-1])
         return str(reply[0]) == "ok"
 
     async def release(self, rid: str) -> bool:
@@ -694,12 +747,11 @@ class Coordinator:
                 self._pending_releases.add(rid)
             return res is not None
         try:
-            reply = await self._call("release", [rid, *self._cache.since()], (self._node_rids,))
+            reply = await self._call("release", [rid], (self._node_rids,))
         except CoordinationUnavailableError:
             if res is None or res.in_redis:
                 self._pending_releases.add(rid)
             return res is not None
-        self._apply(reply[-1])
         return str(reply[0]) == "ok"
 
     # ------------------------------------------------------------------ leases
@@ -713,6 +765,7 @@ class Coordinator:
         """
         reply = await self._call("renew_lease", [self.node_id, self.settings.lease_ms])
         self._lease_renewed(str(reply[0]))
+        self._voids_left = int(reply[4])
         return [str(n) for n in reply[3] if str(n) != self.node_id]
 
     def _lease_renewed(self, status: str) -> None:
@@ -732,10 +785,14 @@ class Coordinator:
 
         `force` skips the lease check: only for this node's own id at start-up.
         """
-        reply = await self._call(
-            "reap_node", [node_id, int(force)], (self.keys.node_rids(node_id),)
-        )
-        reaped = int(reply[1])
+        reaped = 0
+        while True:
+            reply = await self._call(
+                "reap_node", [node_id, int(force), SWEEP_STEP], (self.keys.node_rids(node_id),)
+            )
+            reaped += int(reply[1])
+            if str(reply[0]) != "more":
+                break
         if reaped:
             self.stats.reaped += reaped
             log.info("reaped %d reservations of expired node %s", reaped, node_id)
@@ -744,10 +801,16 @@ class Coordinator:
         return reaped
 
     async def reap_expired(self) -> int:
-        """Renew this node's lease, then reap every expired node. Returns reservations reaped."""
+        """Renew this node's lease, reap every expired node, sweep void records.
+
+        Returns the reservations reaped. Sweeping (records of restarted or removed
+        instances) runs one bounded step per call, so a big pool never stalls Redis.
+        """
         total = 0
         for node in await self.renew_lease():
             total += await self.reap_node(node)
+        if self._voids_left:
+            self._voids_left = int((await self._call("sweep", [SWEEP_STEP]))[1])
         return total
 
     async def _lease_loop(self) -> None:
@@ -812,8 +875,9 @@ class Coordinator:
         for spec in list(self._registered.values()):
             with suppress(EpochFencedError):
                 await direct("register", [spec.id, spec.to_json(), spec.max_slots, spec.epoch])
-        since, run_id = self._cache.since()
-        self._cache.apply(await direct("snapshot", [since, run_id]))
+        self._apply(await direct("read_state", [1]))
+        if self._cache.specs_behind:
+            await self._read_specs(direct)
         # Renew between chunks: restoring thousands of reservations over a slow link
         # can take longer than the lease, and a peer would reap them meanwhile.
         renew_every = self.settings.lease_ms / 3000
@@ -850,7 +914,7 @@ class Coordinator:
                     continue
                 await self._restore_one(res, known, done)
             for rid in releases:
-                await direct("release", [rid, 0, ""], (self._node_rids,))
+                await direct("release", [rid], (self._node_rids,))
                 self._pending_releases.discard(rid)
 
     async def _restore_one(
@@ -932,6 +996,10 @@ class Coordinator:
             if is_write_refused(exc):
                 raise WriteRefusedError(f"redis refuses writes: {exc}") from exc
             raise
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 __all__ = ["Coordinator", "LocalReservation", "RegisterResult", "Stats", "UnknownInstanceError"]

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 POOL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")
 
-# Columns in the order every script receives them as KEYS[1..N]; lua/_lib.lua
-# names the same positions. Each is a hash keyed by instance id unless noted.
+# Keys in the order every script receives them as KEYS[1..N]; lua/_lib.lua names the
+# same positions. Each is a hash keyed by instance id unless noted.
 COLUMNS: tuple[str, ...] = (
-    "meta",  # hash: version (pool change counter), run_id, created_ms
-    "changes",  # zset: instance id -> pool version of its latest change
+    "meta",  # hash: run_id, created_ms, spec_gen (spec change counter), slots (allocated)
+    "spec_log",  # zset: instance id -> spec_gen of its latest spec/membership change
     "spec",  # JSON InstanceSpec without epoch
     "epoch",  # engine epoch; older reservations are void
     "last_seen_ms",  # Redis time of the last register/heartbeat
@@ -29,11 +29,16 @@ COLUMNS: tuple[str, ...] = (
     "active_decode",  # reservations in phase decode
     "pending_prefill_ms",  # sum of prefill_ms of prefill-phase reservations
     "prefill_free_at_ms",  # Redis time when serialized prefill is predicted free
-    "version",  # per-instance change counter
+    "slot",  # the instance's record index in `state` and `live`
     "hints",  # "<id>:<hint>" and "<id>:<hint>_at_ms" engine hints
     "reservations",  # hash rid -> JSON reservation record
-    "by_instance",  # lex zset "<id>|<end_at_ms:015d>|<rid>"
+    "by_instance",  # lex zset "<id>#<epoch:010d>|<end_at_ms:015d>|<rid>"
     "nodes",  # zset node id -> lease deadline (Redis ms)
+    "state",  # string: packed per-slot counters (coordinator/packed.py), read per decision
+    "live",  # string: packed per-slot last_seen and hints, read at a bounded rate
+    "free_slots",  # zset of freed slot indexes, reused lowest first
+    "voids",  # set of instance ids whose void reservation records remain to be swept
+    "retired",  # unregistered id -> its last epoch, while void records of it remain
 )
 
 
@@ -60,7 +65,7 @@ class PoolKeys:
 
     @property
     def columns(self) -> list[str]:
-        """All column keys, in script KEYS order."""
+        """All pool keys, in script KEYS order."""
         return [self.column(name) for name in COLUMNS]
 
     def node_rids(self, node_id: str) -> str:

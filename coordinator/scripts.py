@@ -7,7 +7,9 @@ from importlib import resources
 from typing import Any
 
 SCRIPT_NAMES = (
-    "snapshot",
+    "read_state",
+    "read_specs",
+    "sweep",
     "reserve",
     "mark_first_token",
     "release",

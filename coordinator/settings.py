@@ -73,10 +73,11 @@ class Settings:
     queue_timeout_ms: int = 5_000  # longest wait for a slot under the queue policy
     redis_timeout_ms: int = 100  # socket timeout of every Redis call
     recovery_interval_ms: int = 500  # how often a degraded node probes Redis
-    # Every script reply piggybacks the pool's changes, so a busy node's cache is
-    # never older than its last call; reserve re-checks versions, so a slightly old
-    # view can cost a retry but never herding. An idle node re-reads after this.
-    snapshot_max_age_ms: int = 25  # 0 = read the snapshot before every decision
+    # Every reserve reply carries the pool's packed state, so a busy node decides on
+    # the view its last reserve returned; reserve re-checks the candidates' load, so
+    # an old view can cost a retry but never herding. A node idle longer re-reads.
+    snapshot_max_age_ms: int = 250  # 0 = read the pool state before every decision
+    live_refresh_ms: int = 1_000  # how often liveness and hints are re-read
     strategy: str = "least_load"  # default selection strategy
     weights: Weights = field(default_factory=Weights)
 
@@ -91,6 +92,7 @@ class Settings:
             "queue_timeout_ms",
             "redis_timeout_ms",
             "recovery_interval_ms",
+            "live_refresh_ms",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

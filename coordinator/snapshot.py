@@ -1,4 +1,4 @@
-"""The node-side cache of a pool, kept current by incremental deltas from Redis."""
+"""The node-side view of a pool: specs read on change, packed state on every decision."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.models import Hint, InstanceLoad, InstanceRow, InstanceSpec
+from coordinator.models import InstanceLoad, InstanceRow, InstanceSpec
+from coordinator.packed import (
+    LIVE_BYTES,
+    STATE_BYTES,
+    as_bytes,
+    changed_slots,
+    unpack_live,
+    unpack_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,118 +35,175 @@ class Snapshot:
         return {row.id: row for row in self.rows}
 
 
+@dataclass(slots=True)
+class SpecEntry:
+    """What changes only at registration: the spec, epoch, capacity and record slot."""
+
+    spec: InstanceSpec
+    epoch: int
+    max_slots: int
+    slot: int
+
+
 @dataclass
 class PoolCache:
-    """Rows of one pool as of `version`; every script reply carries a delta for it.
+    """One node's view of a pool: specs by id, and the packed records by slot.
 
-    Deltas may arrive out of order (concurrent calls); a row is applied only when its
-    per-instance version is not older than the cached one, so order does not matter.
+    Specs are read only when the pool's spec_gen moves (read_specs); the packed
+    `state` comes with every reserve reply and read_state, `live` at a bounded rate.
+    A row is rebuilt only when its record bytes changed.
     """
 
     run_id: str = ""
-    version: int = 0
+    spec_gen: int = -1  # spec_gen whose changes are applied (-1: none read yet)
+    seen_spec_gen: int = 0  # the newest spec_gen a reply reported
     now_ms: int = 0
     refreshed_mono: float = 0.0
+    live_mono: float = -1e18  # when `live` was last read
     rows: dict[str, InstanceRow] = field(default_factory=dict)
-    _specs: dict[str, InstanceSpec] = field(default_factory=dict)
-    rows_applied: int = 0  # rows decoded from deltas since start (for benchmarks)
+    entries: dict[str, SpecEntry] = field(default_factory=dict)
+    slot_ids: dict[int, str] = field(default_factory=dict)
+    state: bytes = b""
+    live: bytes = b""
+    rows_applied: int = 0  # rows rebuilt since start (for benchmarks)
     dirty: set[str] = field(default_factory=set)  # ids changed since the ranker last synced
-    # Version of each tombstone applied, so a late reply cannot resurrect the row.
-    _removed: dict[str, int] = field(default_factory=dict)
-    _stale: bool = False
     membership: int = 0  # bumps whenever an id is added or removed
+    _stale: bool = False
+    _specs: dict[str, InstanceSpec] = field(default_factory=dict)  # parsed, by JSON text
 
-    def since(self) -> tuple[int, str]:
-        """Arguments for the next delta request."""
-        return self.version, self.run_id
+    @property
+    def specs_behind(self) -> bool:
+        """Whether a reply reported spec changes this cache has not read yet."""
+        return self.spec_gen != self.seen_spec_gen
 
-    def apply(self, reply: list[Any]) -> None:
-        """Merge a delta reply {run_id, version, now, full, rows} into the cache."""
-        run_id, version, now_ms, full, rows = reply
-        run_id = _text(run_id)
-        if run_id != self.run_id:
-            # Redis lost the pool (restart, failover to an empty replica): start over.
-            self.rows.clear()
-            self._removed.clear()
-            self.membership += 1
-            self.run_id = run_id
-            self.version = 0
-            # Another server (a failover) may run a clock behind the old one: the
-            # highest time seen belongs to the old run.
-            self.now_ms = 0
-            if not int(full):
-                return
-        for raw in rows:
-            self._apply_row(raw)
-        self.version = max(self.version, int(version))
+    def reset(self, run_id: str) -> None:
+        """Redis lost the pool (restart, failover to an empty replica): start over."""
+        self.rows.clear()
+        self.entries.clear()
+        self.slot_ids.clear()
+        self.state = self.live = b""
+        self.live_mono = -1e18  # liveness must be read again
+        self.membership += 1
+        self.run_id = run_id
+        self.spec_gen = -1
+        # Another server (a failover) may run a clock behind the old one: the
+        # highest time seen belongs to the old run.
+        self.now_ms = 0
+
+    def apply_view(
+        self, run_id: Any, spec_gen: Any, now_ms: Any, state: Any, live: Any = None
+    ) -> None:
+        """Merge a read_state reply or a reserve reply's view."""
+        run = _text(run_id)
+        if run != self.run_id:
+            self.reset(run)
+        self.seen_spec_gen = int(spec_gen)
         self.now_ms = max(self.now_ms, int(now_ms))
         self.refreshed_mono = time.monotonic()
         self._stale = False
+        touched: set[int] = set()
+        new_state = as_bytes(state)
+        if new_state != self.state:
+            touched.update(changed_slots(self.state, new_state, STATE_BYTES))
+            self.state = new_state
+        if live is not None and live is not False:
+            self.live_mono = self.refreshed_mono
+            new_live = as_bytes(live)
+            if new_live != self.live:
+                touched.update(changed_slots(self.live, new_live, LIVE_BYTES))
+                self.live = new_live
+        for slot in touched:
+            iid = self.slot_ids.get(slot)
+            if iid is not None:
+                self._build(iid)
 
-    def _apply_row(self, raw: list[Any]) -> None:
-        iid = _text(raw[0])
-        self.rows_applied += 1
-        current = self.rows.get(iid)
-        if raw[1] is None:
-            removed_version = int(raw[2]) if len(raw) > 2 else 0
-            if current is not None and removed_version >= current.version:
-                del self.rows[iid]
+    def apply_specs(self, entries: list[Any], *, full: bool = False) -> None:
+        """Merge read_specs entries {id, spec|false, epoch, max_slots, slot}...
+
+        With `full`, `entries` is every registered instance: others are dropped.
+        """
+        seen: set[str] = set()
+        for k in range(0, len(entries), 5):
+            iid, raw, epoch, max_slots, slot = entries[k : k + 5]
+            iid = _text(iid)
+            seen.add(iid)
+            spec = None if raw is None or raw is False else self._parse(iid, _text(raw))
+            if spec is None:
+                self._drop(iid)
+                continue
+            old = self.entries.get(iid)
+            if old is not None and old.slot != int(slot):
+                self.slot_ids.pop(old.slot, None)
+            self.entries[iid] = SpecEntry(spec, int(epoch), int(max_slots), int(slot))
+            self.slot_ids[int(slot)] = iid
+            if old is None or old.slot != int(slot):
                 self.membership += 1
-            self._removed[iid] = max(removed_version, self._removed.get(iid, 0))
-            return
-        version = int(raw[10])
-        if current is not None and version < current.version:
-            return
-        if version <= self._removed.get(iid, -1):
-            return
-        spec_json = _text(raw[1])
-        spec = self._specs.get(spec_json)
-        if spec is None:
-            try:
-                spec = InstanceSpec.from_dict(json.loads(spec_json))
-            except (ValueError, TypeError, OverflowError, RecursionError) as exc:
-                # A row that got into Redis past validation (written directly, or by
-                # an older version) must not break selection: leave it out.
-                if self.rows.pop(iid, None) is not None:
-                    self.membership += 1
-                log.warning("ignoring instance %r: invalid stored spec (%s)", iid, exc)
-                return
-            self._specs[spec_json] = spec
-            if len(self._specs) > 4 * max(64, len(self.rows)):
-                self._specs.clear()
-                self._specs[spec_json] = spec
-        hints: dict[str, Hint] = {}
-        for i in range(11, len(raw) - 2, 3):
-            hints[_text(raw[i])] = Hint(float(raw[i + 1]), int(raw[i + 2]))
-        earliest = int(raw[9])
-        if current is None:
+                self.live_mono = -1e18  # its liveness was never read: read it now
+            self._build(iid)
+        if full:
+            for iid in [i for i in self.entries if i not in seen]:
+                self._drop(iid)
+
+    def _drop(self, iid: str) -> None:
+        entry = self.entries.pop(iid, None)
+        if entry is not None and self.slot_ids.get(entry.slot) == iid:
+            del self.slot_ids[entry.slot]
+        if self.rows.pop(iid, None) is not None:
             self.membership += 1
+
+    def _parse(self, iid: str, spec_json: str) -> InstanceSpec | None:
+        spec = self._specs.get(spec_json)
+        if spec is not None:
+            return spec
+        try:
+            spec = InstanceSpec.from_dict(json.loads(spec_json))
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+            # A row that got into Redis past validation (written directly, or by an
+            # older version) must not break selection: leave it out.
+            log.warning("ignoring instance %r: invalid stored spec (%s)", iid, exc)
+            return None
+        if len(self._specs) > 4 * max(64, len(self.entries)):
+            self._specs.clear()
+        self._specs[spec_json] = spec
+        return spec
+
+    def _build(self, iid: str) -> None:
+        """(Re)build one row from its spec entry and its packed records."""
+        entry = self.entries[iid]
+        state = unpack_state(self.state, entry.slot)
+        live = unpack_live(self.live, entry.slot)
+        current = self.rows.get(iid)
+        self.rows_applied += 1
         self.dirty.add(iid)
         self.rows[iid] = InstanceRow(
             id=iid,
-            spec=spec,
-            epoch=int(raw[2]),
-            last_seen_ms=int(raw[3]),
-            max_slots=int(raw[4]),
-            inflight=int(raw[5]),
-            pending_prefill=int(raw[6]),
-            active_decode=int(raw[7]),
-            prefill_free_at_ms=int(raw[8]),
-            earliest_end_at_ms=None if earliest < 0 else earliest,
-            version=version,
-            hints=hints,
+            spec=entry.spec,
+            epoch=entry.epoch,
+            last_seen_ms=live.last_seen_ms,
+            max_slots=entry.max_slots,
+            inflight=state.inflight,
+            pending_prefill=state.pending_prefill,
+            active_decode=state.active_decode,
+            prefill_free_at_ms=state.prefill_free_at_ms,
+            earliest_end_at_ms=state.earliest_end_at_ms or None,
+            version=(current.version + 1) if current is not None else 1,
+            hints=live.hints,
         )
 
     def invalidate(self) -> None:
-        """Force the next decision to re-read (after a change that carried no delta)."""
+        """Force the next decision to re-read (after a change that carried no view)."""
         self._stale = True
+
+    def live_age_ms(self) -> float:
+        """Milliseconds since `live` (liveness, hints) was read."""
+        return (time.monotonic() - self.live_mono) * 1000
 
     def estimated_now_ms(self) -> int:
         """Redis time now, extrapolated from the last reply with the local monotonic clock."""
         return self.now_ms + int((time.monotonic() - self.refreshed_mono) * 1000)
 
     def age_ms(self) -> float:
-        """Milliseconds since the last delta was applied (infinite once invalidated)."""
+        """Milliseconds since the last view was applied (infinite once invalidated)."""
         if self._stale:
             return float("inf")
         return (time.monotonic() - self.refreshed_mono) * 1000

@@ -10,6 +10,7 @@ from typing import Any
 
 from coordinator import Coordinator, InstanceSpec
 from coordinator.keys import PoolKeys
+from coordinator.packed import as_bytes, unpack_state
 
 COUNTER_COLUMNS = ("inflight", "pending_prefill", "active_decode")
 
@@ -42,25 +43,47 @@ async def live_reservations(c: Coordinator) -> dict[str, dict[str, Any]]:
     return {rid: json.loads(v) for rid, v in raw.items()}
 
 
-def lex_member(instance_id: str, end_at_ms: int, rid: str) -> str:
+def lex_member(instance_id: str, epoch: int, end_at_ms: int, rid: str) -> str:
     """The per-instance index entry of a reservation (lua/_lib.lua lex_member)."""
-    return f"{instance_id}|{int(end_at_ms):015d}|{rid}"
+    return f"{instance_id}#{int(epoch):010d}|{int(end_at_ms):015d}|{rid}"
 
 
 async def assert_counters_match_reservations(c: Coordinator) -> None:
     """DESIGN.md §6: every counter equals the live reservations in its phase; none < 0.
 
-    Also `pending_prefill_ms` (the sum of prefill_ms of prefill-phase reservations)
-    and the per-instance index (exactly one entry per record, on its instance and
-    end time). Counters, records, epochs and the index are read in one MULTI/EXEC,
-    so a concurrent script cannot fall between the reads (all of a pool's keys share
-    one hash slot).
+    Also `pending_prefill_ms` (the sum of prefill_ms of prefill-phase reservations),
+    the per-instance index (exactly one entry per record, on its instance, epoch and
+    end time) and the packed `state` records nodes read (equal to the counters, the
+    prefill cursor and the earliest end). Records of a restarted or removed instance
+    count nowhere and must be queued for sweeping. Everything is read in one
+    MULTI/EXEC, so a concurrent script cannot fall between the reads (all of a
+    pool's keys share one hash slot).
     """
     pipe = c.redis.pipeline(transaction=True)
-    for name in (*COUNTER_COLUMNS, "pending_prefill_ms", "reservations", "epoch"):
+    for name in (
+        *COUNTER_COLUMNS,
+        "pending_prefill_ms",
+        "reservations",
+        "epoch",
+        "slot",
+        "prefill_free_at_ms",
+    ):
         pipe.hgetall(c.keys.column(name))
     pipe.zrange(c.keys.column("by_instance"), 0, -1)
-    *raw_counters, raw_pending_ms, raw_records, raw_epochs, index = await pipe.execute()
+    # SSCAN, not SMEMBERS: redis-py's cluster transactions break on the latter's callback.
+    pipe.sscan(c.keys.column("voids"), 0, count=1_000_000)
+    pipe.getrange(c.keys.column("state"), 0, -1)
+    (
+        *raw_counters,
+        raw_pending_ms,
+        raw_records,
+        raw_epochs,
+        raw_slots,
+        raw_free_at,
+        index,
+        (_, voids),
+        state,
+    ) = await pipe.execute()
     stored = {
         name: {k: int(v) for k, v in raw.items()}
         for name, raw in zip(COUNTER_COLUMNS, raw_counters, strict=True)
@@ -72,22 +95,47 @@ async def assert_counters_match_reservations(c: Coordinator) -> None:
         name: dict.fromkeys(epochs, 0) for name in COUNTER_COLUMNS
     }
     expected_ms = dict.fromkeys(epochs, 0)
+    earliest = dict.fromkeys(epochs, 0)
     for rec in records.values():
-        assert rec["instance"] in epochs, f"reservation on unknown instance: {rec}"
-        assert rec["epoch"] == epochs[rec["instance"]], f"reservation of a void epoch: {rec}"
-        expected["inflight"][rec["instance"]] += 1
+        iid = rec["instance"]
+        if epochs.get(iid) != rec["epoch"]:
+            assert iid in voids, f"void reservation not queued for sweeping: {rec}"
+            continue
+        expected["inflight"][iid] += 1
         phase = "pending_prefill" if rec["phase"] == "prefill" else "active_decode"
-        expected[phase][rec["instance"]] += 1
+        expected[phase][iid] += 1
         if rec["phase"] == "prefill":
-            expected_ms[rec["instance"]] += int(rec["prefill_ms"])
+            expected_ms[iid] += int(rec["prefill_ms"])
+        end = int(rec["end_at_ms"])
+        earliest[iid] = end if not earliest[iid] else min(earliest[iid], end)
     for name in COUNTER_COLUMNS:
         assert all(v >= 0 for v in stored[name].values()), (name, stored[name])
         assert stored[name] == expected[name], (name, stored[name], expected[name])
     assert stored_ms == expected_ms, ("pending_prefill_ms", stored_ms, expected_ms)
     expected_index = {
-        lex_member(rec["instance"], rec["end_at_ms"], rid) for rid, rec in records.items()
+        lex_member(rec["instance"], rec["epoch"], rec["end_at_ms"], rid)
+        for rid, rec in records.items()
     }
     assert sorted(index) == sorted(expected_index), ("by_instance", index, expected_index)
+    assert set(raw_slots) == set(epochs), ("slot", raw_slots, epochs)
+    blob = as_bytes(state)
+    for iid, slot in raw_slots.items():
+        record = unpack_state(blob, int(slot))
+        packed = (
+            record.inflight,
+            record.pending_prefill,
+            record.active_decode,
+            record.prefill_free_at_ms,
+            record.earliest_end_at_ms,
+        )
+        truth = (
+            stored["inflight"][iid],
+            stored["pending_prefill"][iid],
+            stored["active_decode"][iid],
+            int(raw_free_at[iid]),
+            earliest[iid],
+        )
+        assert packed == truth, ("state record", iid, packed, truth)
 
 
 async def wait_for(

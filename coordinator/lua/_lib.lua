@@ -1,14 +1,25 @@
 -- Shared prelude, prepended to every script by coordinator/scripts.py.
--- KEYS[1..16] are the pool columns in coordinator/keys.py COLUMNS order; every
--- script receives all of them, plus script-specific keys from KEYS[17] on.
+-- KEYS[1..21] are the pool keys in coordinator/keys.py COLUMNS order; every script
+-- receives all of them, plus script-specific keys from KEYS[22] on.
 -- Times are the Redis server clock in ms. Errors are "LCERR <kind> <detail>".
 
-local K_META, K_CHANGES, K_SPEC, K_EPOCH = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local K_META, K_SPEC_LOG, K_SPEC, K_EPOCH = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local K_LAST_SEEN, K_MAX_SLOTS, K_INFLIGHT = KEYS[5], KEYS[6], KEYS[7]
 local K_PENDING, K_DECODE, K_PENDING_MS = KEYS[8], KEYS[9], KEYS[10]
-local K_PREFILL_FREE, K_VERSION, K_HINTS = KEYS[11], KEYS[12], KEYS[13]
+local K_PREFILL_FREE, K_SLOT, K_HINTS = KEYS[11], KEYS[12], KEYS[13]
 local K_RES, K_BY_INSTANCE, K_NODES = KEYS[14], KEYS[15], KEYS[16]
+local K_STATE, K_LIVE, K_FREE_SLOTS = KEYS[17], KEYS[18], KEYS[19]
+local K_VOIDS, K_RETIRED = KEYS[20], KEYS[21]
 local HINTS = {'engine_running', 'engine_waiting', 'queue_depth'}
+-- Packed records (coordinator/packed.py decodes them), one per slot. A field is a
+-- fixed number of base-128 digits, most significant first, each byte 0..127: plain
+-- ASCII, so clients that decode replies as text read them unchanged.
+-- state: inflight, pending_prefill, active_decode (3 digits each, saturating),
+--   prefill_free_at_ms, earliest_end_at_ms (8 digits; 0 = no live reservation)
+-- live: last_seen_ms (8), then per hint: value*1000 (5, saturating), at_ms (8; 0 = none)
+local STATE_BYTES, LIVE_BYTES = 25, 47
+local SPEC_LOG_MAX = 10000  -- spec changes kept for incremental readers; older: full read
+local SWEEP_BUDGET = 500  -- reservations one call may void; the rest is swept later
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -43,21 +54,46 @@ local function run_id(now)
   local id = redis.call('HGET', K_META, 'run_id')
   if not id then
     id = string.format('%d-%d', now, math.random(1, 1000000000))
-    redis.call('HSET', K_META, 'run_id', id, 'created_ms', string.format('%d', now), 'version', 0)
+    redis.call('HSET', K_META, 'run_id', id, 'created_ms', string.format('%d', now))
   end
   return id
 end
 
--- Record a change of instance `id`: bumps its version and the pool version.
-local function touch(id, now)
+-- Record a change of instance `id`'s spec, epoch, max_slots or membership: nodes
+-- re-read exactly these ids (spec_log), so a spec is never resent unchanged.
+local function spec_changed(id, now)
   run_id(now)
-  local v = redis.call('HINCRBY', K_META, 'version', 1)
-  redis.call('HINCRBY', K_VERSION, id, 1)
-  redis.call('ZADD', K_CHANGES, v, id)
+  local gen = redis.call('HINCRBY', K_META, 'spec_gen', 1)
+  redis.call('ZADD', K_SPEC_LOG, gen, id)
+  local excess = redis.call('ZCARD', K_SPEC_LOG) - SPEC_LOG_MAX
+  if excess > 0 then redis.call('ZREMRANGEBYRANK', K_SPEC_LOG, 0, excess - 1) end
+  return gen
 end
 
-local function lex_member(id, end_at, rid)
-  return id .. '|' .. string.format('%015d', end_at) .. '|' .. rid
+-- `v` (an integer >= 0, saturated at 128^n - 1) as n base-128 digits.
+local function be(v, n)
+  v = math.floor(tonumber(v) or 0)
+  if v < 0 then v = 0 end
+  local cap = 128 ^ n - 1
+  if v > cap then v = cap end
+  local t = {}
+  for i = n, 1, -1 do
+    t[i] = v % 128
+    v = math.floor(v / 128)
+  end
+  return string.char((table.unpack or unpack)(t))
+end
+
+-- Index member of a reservation: '<id>#<epoch:010d>|<end_at_ms:015d>|<rid>', so one
+-- instance's current epoch is one lex range, ordered by predicted end.
+local function lex_member(id, epoch, end_at, rid)
+  return id .. '#' .. string.format('%010d', epoch) .. '|' .. string.format('%015d', end_at)
+    .. '|' .. rid
+end
+
+local function epoch_range(id, epoch)
+  local stem = id .. '#' .. string.format('%010d', epoch)
+  return '[' .. stem .. '|', '(' .. stem .. '}'
 end
 
 -- Longest predicted prefill or decode time (ms): one day. Callers clamp predictions
@@ -107,11 +143,66 @@ local function lease_held(node, now)
   return deadline ~= false and deadline ~= nil and tonumber(deadline) >= now
 end
 
+local function earliest_end(id, epoch)
+  local lo, hi = epoch_range(id, epoch)
+  local first = redis.call('ZRANGEBYLEX', K_BY_INSTANCE, lo, hi, 'LIMIT', 0, 1)
+  if #first == 0 then return 0 end
+  return tonumber(string.match(first[1], '|(%d+)|'))
+end
+
+-- Rewrite instance `id`'s packed state record from its counters (after any change).
+local function sync_state(id)
+  local slot = redis.call('HGET', K_SLOT, id)
+  if not slot then return end
+  local epoch = num(K_EPOCH, id)
+  redis.call('SETRANGE', K_STATE, tonumber(slot) * STATE_BYTES,
+    be(num(K_INFLIGHT, id), 3) .. be(num(K_PENDING, id), 3) .. be(num(K_DECODE, id), 3)
+    .. be(num(K_PREFILL_FREE, id), 8) .. be(earliest_end(id, epoch), 8))
+end
+
+-- Rewrite instance `id`'s packed liveness record (last_seen and hints).
+local function sync_live(id)
+  local slot = redis.call('HGET', K_SLOT, id)
+  if not slot then return end
+  local parts = {be(num(K_LAST_SEEN, id), 8)}
+  for _, name in ipairs(HINTS) do
+    local at = redis.call('HGET', K_HINTS, id .. ':' .. name .. '_at_ms')
+    local value = at and tonumber(redis.call('HGET', K_HINTS, id .. ':' .. name)) or 0
+    table.insert(parts, be(math.floor(value * 1000 + 0.5), 5) .. be(at or 0, 8))
+  end
+  redis.call('SETRANGE', K_LIVE, tonumber(slot) * LIVE_BYTES, table.concat(parts))
+end
+
+-- Give `id` a slot in the packed records: a freed one (lowest first) or a new one.
+local function alloc_slot(id)
+  local slot = redis.call('HGET', K_SLOT, id)
+  if slot then return tonumber(slot) end
+  local freed = redis.call('ZPOPMIN', K_FREE_SLOTS)
+  if #freed > 0 then
+    slot = tonumber(freed[1])
+  else
+    slot = redis.call('HINCRBY', K_META, 'slots', 1) - 1
+  end
+  redis.call('HSET', K_SLOT, id, slot)
+  return slot
+end
+
+-- Return `id`'s slot to the free list, zeroing its records.
+local function free_slot(id)
+  local slot = redis.call('HGET', K_SLOT, id)
+  if not slot then return end
+  slot = tonumber(slot)
+  redis.call('HDEL', K_SLOT, id)
+  redis.call('SETRANGE', K_STATE, slot * STATE_BYTES, string.rep('\0', STATE_BYTES))
+  redis.call('SETRANGE', K_LIVE, slot * LIVE_BYTES, string.rep('\0', LIVE_BYTES))
+  redis.call('ZADD', K_FREE_SLOTS, slot, slot)
+end
+
 -- Remove one reservation and its counters. `rec` is the decoded record.
 local function drop_reservation(rid, rec, now)
   local id = rec.instance
   redis.call('HDEL', K_RES, rid)
-  redis.call('ZREM', K_BY_INSTANCE, lex_member(id, rec.end_at_ms, rid))
+  redis.call('ZREM', K_BY_INSTANCE, lex_member(id, rec.epoch, rec.end_at_ms, rid))
   if tonumber(redis.call('HGET', K_EPOCH, id) or '-1') ~= rec.epoch then
     return  -- the instance restarted or left: its counters were reset then
   end
@@ -123,67 +214,39 @@ local function drop_reservation(rid, rec, now)
   else
     if num(K_DECODE, id) > 0 then redis.call('HINCRBY', K_DECODE, id, -1) end
   end
-  touch(id, now)
+  sync_state(id)
 end
 
--- Drop every reservation of an instance (epoch bump or unregister); returns count.
+-- Void every reservation of `id` older than its current epoch (all of them once the
+-- id is unregistered): counters restart at 0 now; the records themselves are
+-- deleted in bounded steps (sweep), so one call never runs long.
 local function void_instance(id)
-  local members = redis.call('ZRANGEBYLEX', K_BY_INSTANCE, '[' .. id .. '|', '(' .. id .. '}')
-  for _, member in ipairs(members) do
-    local rid = string.match(member, '^.-|%d+|(.*)$')
-    redis.call('HDEL', K_RES, rid)
-    redis.call('ZREM', K_BY_INSTANCE, member)
-  end
   for _, key in ipairs({K_INFLIGHT, K_PENDING, K_DECODE, K_PENDING_MS}) do
     redis.call('HSET', key, id, 0)
   end
-  return #members
+  redis.call('SADD', K_VOIDS, id)
 end
 
-local function earliest_end(id)
-  local first = redis.call('ZRANGEBYLEX', K_BY_INSTANCE, '[' .. id .. '|', '(' .. id .. '}',
-    'LIMIT', 0, 1)
-  if #first == 0 then return -1 end
-  return tonumber(string.match(first[1], '^.-|(%d+)|'))
-end
-
--- One instance row: {id, spec_json|false, epoch, last_seen, max_slots, inflight,
--- pending_prefill, active_decode, prefill_free_at, earliest_end|-1, version,
--- hint_name, value, at_ms, ...}. A removed instance is {id, false, version}.
-local function row(id)
-  local spec = redis.call('HGET', K_SPEC, id)
-  if not spec then return {id, false, num(K_VERSION, id)} end
-  local r = {id, spec, num(K_EPOCH, id), num(K_LAST_SEEN, id), num(K_MAX_SLOTS, id),
-    num(K_INFLIGHT, id), num(K_PENDING, id), num(K_DECODE, id), num(K_PREFILL_FREE, id),
-    earliest_end(id), num(K_VERSION, id)}
-  for _, name in ipairs(HINTS) do
-    local at = redis.call('HGET', K_HINTS, id .. ':' .. name .. '_at_ms')
-    if at then
-      table.insert(r, name)
-      table.insert(r, redis.call('HGET', K_HINTS, id .. ':' .. name))
-      table.insert(r, at)
+-- Delete up to `budget` void reservation records; returns {deleted, ids_left}.
+local function sweep(budget)
+  local deleted = 0
+  for _, id in ipairs(redis.call('SRANDMEMBER', K_VOIDS, 16)) do
+    if deleted >= budget then break end
+    local epoch = redis.call('HGET', K_EPOCH, id)
+    local hi = '(' .. id .. '$'  -- '#' < '$': every epoch of this id
+    if epoch then hi = '(' .. id .. '#' .. string.format('%010d', tonumber(epoch)) .. '|' end
+    local want = budget - deleted
+    local members = redis.call('ZRANGEBYLEX', K_BY_INSTANCE, '[' .. id .. '#', hi,
+      'LIMIT', 0, want)
+    for _, member in ipairs(members) do
+      redis.call('HDEL', K_RES, string.match(member, '|%d+|(.*)$'))
+      redis.call('ZREM', K_BY_INSTANCE, member)
+    end
+    deleted = deleted + #members
+    if #members < want then
+      redis.call('SREM', K_VOIDS, id)
+      redis.call('HDEL', K_RETIRED, id)
     end
   end
-  return r
-end
-
--- Rows changed since `since` under run `seen_run`; a full read when the run
--- differs (Redis lost the pool) or `since` is 0. Returns
--- {run_id, pool_version, now, full(0/1), rows}.
-local function delta(since, seen_run, now)
-  local run = run_id(now)
-  local version = tonumber(redis.call('HGET', K_META, 'version'))
-  local full = (since == 0 or seen_run ~= run or since > version)
-  local ids
-  if full then
-    ids = redis.call('ZRANGE', K_CHANGES, 0, -1)
-  else
-    ids = redis.call('ZRANGEBYSCORE', K_CHANGES, '(' .. since, '+inf')
-  end
-  local rows = {}
-  for _, id in ipairs(ids) do
-    local r = row(id)
-    if r[2] or not full then table.insert(rows, r) end
-  end
-  return {run, version, now, full and 1 or 0, rows}
+  return {deleted, redis.call('SCARD', K_VOIDS)}
 end

@@ -1,11 +1,13 @@
 -- register: upsert an instance; a higher epoch voids the old epoch's reservations.
--- KEYS[1..16] = the pool columns (coordinator/keys.py COLUMNS)
+-- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
 -- ARGV[1] = instance id
 -- ARGV[2] = spec JSON (InstanceSpec without epoch): an object with this id and an
 --   http(s) url; its other fields are validated by the caller
 -- ARGV[3] = max_slots (integer >= 0, 0 = unlimited)
 -- ARGV[4] = epoch (integer >= 0; 0 = keep the stored epoch, or 1 when new)
 -- returns {'new'|'updated'|'restarted', epoch, voided_reservations}
+--   a restart zeroes the old epoch's counters at once; its records are deleted in
+--   bounded steps (sweep.lua), never all in this call
 -- errors: LCERR epoch_fenced when ARGV[4] is below the stored epoch
 local id = ARGV[1]
 if not valid_id(id) then return fail('bad_arg', 'instance id') end
@@ -24,7 +26,9 @@ local stored = redis.call('HGET', K_EPOCH, id)
 local status, voided = 'updated', 0
 if not stored then
   status = 'new'
-  if epoch == 0 then epoch = 1 end
+  -- An id unregistered while void records of it remain continues above their epoch.
+  local retired = tonumber(redis.call('HGET', K_RETIRED, id) or '0')
+  if epoch <= retired then epoch = retired + 1 end
   for _, key in ipairs({K_INFLIGHT, K_PENDING, K_DECODE, K_PENDING_MS}) do
     redis.call('HSET', key, id, 0)
   end
@@ -37,7 +41,8 @@ else
     return fail('epoch_fenced', id .. ' has epoch ' .. stored .. ', got ' .. epoch)
   else
     status = 'restarted'
-    voided = void_instance(id)
+    voided = num(K_INFLIGHT, id)
+    void_instance(id)
     redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', now))
   end
 end
@@ -45,5 +50,9 @@ redis.call('HSET', K_SPEC, id, ARGV[2])
 redis.call('HSET', K_EPOCH, id, string.format('%d', epoch))
 redis.call('HSET', K_MAX_SLOTS, id, max_slots)
 redis.call('HSET', K_LAST_SEEN, id, string.format('%d', now))
-touch(id, now)
+alloc_slot(id)
+sync_state(id)
+sync_live(id)
+spec_changed(id, now)
+sweep(SWEEP_BUDGET)
 return {status, epoch, voided}

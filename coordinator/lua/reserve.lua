@@ -1,26 +1,30 @@
--- reserve: claim the first ranked candidate whose version is unchanged.
--- KEYS[1..16] = the pool columns (coordinator/keys.py COLUMNS)
--- KEYS[17] = {pool}:node:<node>:rids  the calling node's reservation set
+-- reserve: claim the first ranked candidate that is no busier than the caller saw it.
+-- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[22] = {pool}:node:<node>:rids  the calling node's reservation set
 -- ARGV[1] = rid (request id, [A-Za-z0-9._:-], <= 128 chars)
 -- ARGV[2] = node id
 -- ARGV[3] = prompt_tokens (integer >= 0)
 -- ARGV[4] = expected_output_tokens (integer >= 0)
--- ARGV[5] = force (1 = ignore versions: take the least-reserved alive candidate)
+-- ARGV[5] = force (1 = take the least-reserved alive candidate, whatever was observed)
 -- ARGV[6] = enforce_slots (1 = skip candidates at max_slots)
 -- ARGV[7] = instance ttl in ms (alive while now - last_seen <= ttl)
--- ARGV[8] = since: pool version for the piggybacked delta
--- ARGV[9] = run_id the caller last saw
--- ARGV[10] = lease_ms: 0 when the node believes it holds a lease (it must: a node
+-- ARGV[8] = lease_ms: 0 when the node believes it holds a lease (it must: a node
 --   whose lease expired may have been reaped and must re-assert first); > 0 when the
 --   node never held one: a missing lease is then created with this length (ms)
--- ARGV[11] = n, the number of candidates; then n groups of
---   {instance id, observed version, prefill_ms (ms, <= 86400000),
---    decode_ms (ms, <= 86400000), observed inflight, observed pending_prefill}
--- returns {'ok'|'dup', instance, epoch, predicted_ttft_ms, prefill_ms, decode_ms, delta}
---       | {'nolease', delta}          ARGV[10] = 0 and the node's lease is gone
---       | {'stale', delta}            every candidate changed since it was observed
---       | {'full', next_slot_in_ms, delta}  every alive candidate is at max_slots
---       | {'none', delta}             no candidate is registered and alive
+-- ARGV[9] = n, the number of candidates; then n groups of
+--   {instance id, prefill_ms (ms, <= 86400000), decode_ms (ms, <= 86400000),
+--    observed inflight, observed pending_prefill}
+-- returns {'ok'|'dup', instance, epoch, predicted_ttft_ms, prefill_ms, decode_ms, view}
+--       | {'nolease', view}          ARGV[8] = 0 and the node's lease is gone
+--       | {'stale', view}            every candidate got busier since it was observed
+--       | {'full', next_slot_in_ms, view}  every alive candidate is at max_slots
+--       | {'none', view}             no candidate is registered and alive
+--   view = {run_id, spec_gen, now_ms, state}: the pool's packed state after this call
+--   (what read_state returns without liveness), so the next decision starts fresh
+local function view(now)
+  return {run_id(now), num(K_META, 'spec_gen'), now,
+    redis.call('GET', K_STATE) or ''}
+end
 local rid, node = ARGV[1], ARGV[2]
 if not valid_id(rid) then return fail('bad_arg', 'rid') end
 if not valid_id(node) then return fail('bad_arg', 'node') end
@@ -31,22 +35,20 @@ if expected == nil then return fail('bad_arg', 'expected_output_tokens must be a
 local force, enforce = ARGV[5] == '1', ARGV[6] == '1'
 local ttl = int_arg(ARGV[7])
 if ttl == nil then return fail('bad_arg', 'ttl_ms') end
-local since = int_arg(ARGV[8])
-if since == nil then return fail('bad_arg', 'since') end
-local lease_ms = int_arg(ARGV[10], 86400000)
+local lease_ms = int_arg(ARGV[8], 86400000)
 if lease_ms == nil then return fail('bad_arg', 'lease_ms') end
-local n = int_arg(ARGV[11], 64)
-if n == nil or n < 1 or #ARGV ~= 11 + 6 * n then
-  return fail('bad_arg', 'candidates: expected n >= 1 groups of 6')
+local n = int_arg(ARGV[9], 64)
+if n == nil or n < 1 or #ARGV ~= 9 + 5 * n then
+  return fail('bad_arg', 'candidates: expected n >= 1 groups of 5')
 end
 local candidates = {}
 for i = 1, n do
-  local base = 11 + 6 * (i - 1)
-  local c = {id = ARGV[base + 1], version = int_arg(ARGV[base + 2]),
-    prefill_ms = int_arg(ARGV[base + 3], MAX_PREDICTED_MS),
-    decode_ms = int_arg(ARGV[base + 4], MAX_PREDICTED_MS),
-    inflight = int_arg(ARGV[base + 5]), pending = int_arg(ARGV[base + 6])}
-  if not valid_id(c.id) or c.version == nil or c.prefill_ms == nil or c.decode_ms == nil
+  local base = 9 + 5 * (i - 1)
+  local c = {id = ARGV[base + 1],
+    prefill_ms = int_arg(ARGV[base + 2], MAX_PREDICTED_MS),
+    decode_ms = int_arg(ARGV[base + 3], MAX_PREDICTED_MS),
+    inflight = int_arg(ARGV[base + 4]), pending = int_arg(ARGV[base + 5])}
+  if not valid_id(c.id) or c.prefill_ms == nil or c.decode_ms == nil
       or c.inflight == nil or c.pending == nil then
     return fail('bad_arg', 'candidate ' .. i)
   end
@@ -57,17 +59,16 @@ local now = now_ms()
 -- Reservations are written only under a live lease: the reaper finds a node through
 -- its lease, so a reservation without one would never go away.
 local leased = lease_held(node, now)
-if not leased and lease_ms == 0 then return {'nolease', delta(since, ARGV[9], now)} end
+if not leased and lease_ms == 0 then return {'nolease', view(now)} end
 local existing = redis.call('HGET', K_RES, rid)
 if existing then
   local rec = cjson.decode(existing)
   return {'dup', rec.instance, rec.epoch, rec.predicted_ttft_ms, rec.prefill_ms, rec.decode_ms,
-    delta(since, ARGV[9], now)}
+    view(now)}
 end
 
--- Unforced: the first alive candidate that is no busier than the caller saw it: its
--- version is unchanged, or only work left it (first tokens, releases). Forced (the
--- last try): the alive candidate with the fewest live reservations now, first on ties.
+-- Unforced: the first alive candidate that is no busier than the caller saw it (only
+-- work left it since: first tokens, releases). Forced (the last try): the alive candidate with the fewest live reservations now, first on ties.
 local saw_alive, saw_full, min_slot_ms = false, false, nil
 local chosen, chosen_inflight = nil, nil
 for _, c in ipairs(candidates) do
@@ -78,13 +79,12 @@ for _, c in ipairs(candidates) do
     local inflight = num(K_INFLIGHT, c.id)
     if enforce and max_slots > 0 and inflight >= max_slots then
       saw_full = true
-      local e = earliest_end(c.id)
-      local wait = e >= 0 and math.max(0, e - now) or 0
+      local e = earliest_end(c.id, num(K_EPOCH, c.id))
+      local wait = e > 0 and math.max(0, e - now) or 0
       if min_slot_ms == nil or wait < min_slot_ms then min_slot_ms = wait end
     elseif force then
       if chosen == nil or inflight < chosen_inflight then chosen, chosen_inflight = c, inflight end
-    elseif num(K_VERSION, c.id) == c.version
-        or (inflight <= c.inflight and num(K_PENDING, c.id) <= c.pending) then
+    elseif inflight <= c.inflight and num(K_PENDING, c.id) <= c.pending then
       chosen = c
       break
     end
@@ -92,7 +92,7 @@ for _, c in ipairs(candidates) do
 end
 
 if not chosen then
-  local d = delta(since, ARGV[9], now)
+  local d = view(now)
   if saw_full then return {'full', min_slot_ms or 0, d} end
   if saw_alive then return {'stale', d} end
   return {'none', d}
@@ -113,7 +113,7 @@ redis.call('HSET', K_RES, rid, cjson.encode({instance = id, epoch = epoch, node 
   phase = 'prefill', prompt_tokens = prompt, expected_output_tokens = expected,
   prefill_ms = chosen.prefill_ms, decode_ms = chosen.decode_ms, created_ms = now,
   first_token_at_ms = first_token_at, end_at_ms = end_at, predicted_ttft_ms = ttft}))
-redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, end_at, rid))
-redis.call('SADD', KEYS[17], rid)
-touch(id, now)
-return {'ok', id, epoch, ttft, chosen.prefill_ms, chosen.decode_ms, delta(since, ARGV[9], now)}
+redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, epoch, end_at, rid))
+redis.call('SADD', KEYS[22], rid)
+sync_state(id)
+return {'ok', id, epoch, ttft, chosen.prefill_ms, chosen.decode_ms, view(now)}

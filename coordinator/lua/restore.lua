@@ -1,7 +1,7 @@
 -- restore: re-assert a node's live reservation after Redis lost or missed it.
 -- Idempotent: an existing record is only advanced (prefill -> decode), never doubled.
--- KEYS[1..16] = the pool columns (coordinator/keys.py COLUMNS)
--- KEYS[17] = {pool}:node:<node>:rids  the owning node's reservation set
+-- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[22] = {pool}:node:<node>:rids  the owning node's reservation set
 -- ARGV[1] = rid
 -- ARGV[2] = node id (must hold a live lease: the caller renews it first)
 -- ARGV[3] = instance id (used only when Redis holds no record of the rid)
@@ -38,16 +38,16 @@ if raw then
   local at = rec.instance
   local current = tonumber(redis.call('HGET', K_EPOCH, at) or '-1') == rec.epoch
   if rec.phase == 'prefill' and phase == 'decode' then
-    redis.call('ZREM', K_BY_INSTANCE, lex_member(at, rec.end_at_ms, rid))
+    redis.call('ZREM', K_BY_INSTANCE, lex_member(at, rec.epoch, rec.end_at_ms, rid))
     rec.phase, rec.first_token_at_ms, rec.end_at_ms = 'decode', now, now + rec.decode_ms
     redis.call('HSET', K_RES, rid, cjson.encode(rec))
-    redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(at, rec.end_at_ms, rid))
+    redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(at, rec.epoch, rec.end_at_ms, rid))
     if current then
       if num(K_PENDING, at) > 0 then redis.call('HINCRBY', K_PENDING, at, -1) end
       redis.call('HINCRBY', K_DECODE, at, 1)
       redis.call('HINCRBY', K_PENDING_MS, at, 0 - rec.prefill_ms)  -- never '-0'
       rechain_after_first_token(at, now)
-      touch(at, now)
+      sync_state(at)
     end
     return {'advanced', at, rec.epoch}
   end
@@ -73,7 +73,7 @@ else
   redis.call('HINCRBY', K_DECODE, id, 1)
 end
 redis.call('HSET', K_RES, rid, cjson.encode(rec))
-redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, rec.end_at_ms, rid))
-redis.call('SADD', KEYS[17], rid)
-touch(id, now)
+redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, epoch, rec.end_at_ms, rid))
+redis.call('SADD', KEYS[22], rid)
+sync_state(id)
 return {'restored', id, epoch}

@@ -276,7 +276,7 @@ async def test_one_long_request_never_wedges_recovery(make_coordinator: MakeCoor
     await c.register_instance(spec(0, decode_ms_per_token=20.0))
     await c.renew_lease()
     await c.refresh()
-    lose_next_reply(c, "snapshot")
+    lose_next_reply(c, "read_state")
     with pytest.raises(CoordinationUnavailableError):
         await c.refresh()  # Redis "fails": the node degrades
     long = await c.reserve(100, 5_000_000)
@@ -432,9 +432,9 @@ async def _elapsed(c: Coordinator, t0: int, ms: int) -> bool:
 
 def test_the_cached_redis_time_resets_with_the_run() -> None:
     cache = PoolCache()
-    cache.apply(["run-a", 1, 2_000_000, 1, []])
+    cache.apply_view("run-a", 1, 2_000_000, "")
     assert cache.now_ms == 2_000_000
-    cache.apply(["run-b", 1, 1_000_000, 1, []])  # a failover to a server running behind
+    cache.apply_view("run-b", 1, 1_000_000, "")  # a failover to a server running behind
     assert cache.now_ms == 1_000_000
-    cache.apply(["run-b", 1, 999_000, 0, []])  # a late reply of the same run never rewinds
+    cache.apply_view("run-b", 1, 999_000, "")  # a late reply of the same run never rewinds
     assert cache.now_ms == 1_000_000

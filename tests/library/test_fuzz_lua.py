@@ -19,7 +19,6 @@ empty strings, missing and extra arguments. Then:
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -97,13 +96,15 @@ def spec_json(instance_id: str) -> str:
 
 # Per script: the ARGV positions, each a strategy of valid values (see each header).
 LAYOUTS: dict[str, list[Any]] = {
-    "snapshot": [since, run_ids],
-    "mark_first_token": [rids, since, run_ids],
-    "release": [rids, since, run_ids],
+    "read_state": [flags],
+    "read_specs": [since, st.just("") | st.just("0") | since, st.integers(1, 1000).map(str)],
+    "sweep": [st.integers(1, 5000).map(str)],
+    "mark_first_token": [rids],
+    "release": [rids],
     "heartbeat": [ids, hint, hint, hint],
     "unregister": [ids],
     "renew_lease": [ids, st.integers(1, 86_400_000).map(str)],
-    "reap_node": [ids],
+    "reap_node": [ids, flags, st.integers(1, 5000).map(str)],
     "restore": [rids, ids, ids, st.integers(0, 3).map(str), phases, tokens, tokens, ms, ms],
 }
 
@@ -155,14 +156,12 @@ def calls(draw: st.DrawFn, name: str) -> Call:
             draw(flags),
             draw(flags),
             draw(counts),
-            draw(since),
-            draw(run_ids),
             draw(st.sampled_from(["0", "600000"])),
             str(n),
         ]
         for _ in range(n):
             candidate = draw(st.sampled_from(INSTANCES) | ids)
-            args += [candidate, draw(counts), draw(ms), draw(ms), draw(counts), draw(counts)]
+            args += [candidate, draw(ms), draw(ms), draw(counts), draw(counts)]
         return draw(mutate(name, args))
     return draw(mutate(name, [draw(position) for position in LAYOUTS[name]]))
 
@@ -246,7 +245,7 @@ def extra_keys(c: Coordinator, call: Call) -> list[str]:
 
 def changed_nothing(name: str, reply: Any) -> bool:
     """Whether a successful reply says the call wrote nothing."""
-    if name == "snapshot":
+    if name in ("read_state", "read_specs"):
         return True
     status = reply[0] if isinstance(reply, list) and reply else None
     return (name, status) in {
@@ -298,7 +297,7 @@ async def check(pool: Pool, call: Call) -> None:
         assert await dump(pool) == before, f"{call}: a refused call wrote"
         return
     status = reply[0] if isinstance(reply, list) and reply else reply
-    record(f"{call.name}: {status if call.name != 'snapshot' else 'ok'}")
+    record(f"{call.name}: {status if not call.name.startswith('read_') else 'ok'}")
     if changed_nothing(call.name, reply):
         assert await dump(pool) == before, f"{call}: a call that changed nothing wrote"
     fresh = Coordinator(c.redis, pool=c.pool, node_id="reader", settings=SETTINGS)
@@ -308,18 +307,20 @@ async def check(pool: Pool, call: Call) -> None:
 
 # One valid call per script (by its header), for the position-by-position sweep.
 BASE_CALLS: dict[str, list[str]] = {
-    "snapshot": ["0", ""],
+    "read_state": ["1"],
+    "read_specs": ["0", "", "500"],
+    "sweep": ["500"],
     "reserve": [
-        *("r-new", NODE, "100", "10", "1", "1", "600000", "0", "", "0", "1"),
-        *("i0", "0", "15", "20", "0", "0"),
+        *("r-new", NODE, "100", "10", "1", "1", "600000", "0", "1"),
+        *("i0", "15", "20", "0", "0"),
     ],
-    "mark_first_token": [PREFILL_RID, "0", ""],
-    "release": [PREFILL_RID, "0", ""],
+    "mark_first_token": [PREFILL_RID],
+    "release": [PREFILL_RID],
     "register": ["i0", spec_json("i0"), "0", "0"],
     "heartbeat": ["i0", "1.5", "", "2"],
     "unregister": ["i1"],
     "renew_lease": [NODE, "600000"],
-    "reap_node": ["n0"],
+    "reap_node": ["n0", "0", "500"],
     "restore": ["r-new", NODE, "i0", "1", "prefill", "100", "10", "15", "20"],
 }
 SWEEP_VALUES = ["-0", "-0.0", "-1", "0x10", " 5", "1e3", "1.5", "nan", "inf", "", "{", "x" * 129]
@@ -347,10 +348,16 @@ async def test_script_argv_fuzz(lua_pool: Pool, call: Call) -> None:
     await check(lua_pool, call)
 
 
-async def test_snapshot_of_an_existing_pool_writes_nothing(lua_pool: Pool) -> None:
+async def test_reads_of_an_existing_pool_write_nothing(lua_pool: Pool) -> None:
     await reset(lua_pool)
     before = await dump(lua_pool)
     c = lua_pool.coordinator
-    for args in (["0", ""], ["0", "stale-run"], ["999999", "x"], ["3", json.dumps({})]):
-        await c.scripts["snapshot"](keys=c.keys.columns, args=args)
+    for name, args in (
+        ("read_state", ["0"]),
+        ("read_state", ["1"]),
+        ("read_specs", ["0", "", "1"]),
+        ("read_specs", ["999999", "", "10"]),
+        ("read_specs", ["0", "0", "1000"]),
+    ):
+        await c.scripts[name](keys=c.keys.columns, args=args)
     assert await dump(lua_pool) == before

@@ -323,7 +323,7 @@ async def test_documented_acl_refuses_everything_else(acl: AclSetup, pool: str) 
             await client.hget("lcx:{p}:spec", "f")  # the prefix is `lc:`, not `lc`
         coordinator = Coordinator(client, pool=pool, settings=Settings(key_prefix="other"))
         with pytest.raises(NoPermissionError):
-            await coordinator.scripts["snapshot"](keys=coordinator.keys.columns, args=[0, ""])
+            await coordinator.scripts["read_state"](keys=coordinator.keys.columns, args=[1])
     finally:
         await client.aclose()
 

@@ -1,0 +1,105 @@
+"""The packed per-instance records scripts keep in `state` and `live` (lua/_lib.lua).
+
+Each pool keeps two strings with one fixed-width record per slot (an instance's
+index, in the `slot` hash), so a node reads the whole pool's changing state in one
+short reply and finds what changed by comparing records. A field is a fixed number
+of base-128 digits, most significant first: every byte is 0..127, plain ASCII, so a
+client that decodes replies as text gets them unchanged.
+
+- `state` (25 bytes; every reservation transition rewrites it): inflight,
+  pending_prefill, active_decode (3 digits, saturating at 2,097,151),
+  prefill_free_at_ms and earliest_end_at_ms (8 digits; 0 = no live reservation);
+- `live` (47 bytes; heartbeats rewrite it): last_seen_ms (8 digits), then per hint
+  (engine_running, engine_waiting, queue_depth) its value × 1000 (5 digits,
+  saturating) and the Redis time it was reported (8 digits, 0 = never).
+
+`redis-cli` shows the same numbers in the column hashes (inflight, pending_prefill,
+prefill_free_at_ms, last_seen_ms, hints), which stay the source of truth; `coordinator
+inspect` shows what the nodes decode from the records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from coordinator.models import HINT_NAMES, Hint
+
+STATE_FIELDS = (3, 3, 3, 8, 8)  # digits per field
+LIVE_FIELDS = (8, *(n for _ in HINT_NAMES for n in (5, 8)))
+STATE_BYTES = sum(STATE_FIELDS)
+LIVE_BYTES = sum(LIVE_FIELDS)
+HINT_SCALE = 1000.0  # hint values are stored in thousandths
+
+
+@dataclass(frozen=True, slots=True)
+class StateRecord:
+    """One slot of `state`."""
+
+    inflight: int = 0
+    pending_prefill: int = 0
+    active_decode: int = 0
+    prefill_free_at_ms: int = 0
+    earliest_end_at_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LiveRecord:
+    """One slot of `live`."""
+
+    last_seen_ms: int = 0
+    hints: dict[str, Hint] = field(default_factory=dict)
+
+
+def as_bytes(value: Any) -> bytes:
+    """A packed string from a reply, whether the client decodes replies or not."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("latin-1")
+    return b""
+
+
+def _fields(blob: bytes, offset: int, widths: tuple[int, ...]) -> list[int]:
+    out = []
+    for width in widths:
+        v = 0
+        for byte in blob[offset : offset + width]:
+            v = v * 128 + byte
+        out.append(v)
+        offset += width
+    return out
+
+
+def unpack_state(blob: bytes, slot: int) -> StateRecord:
+    """The `state` record of one slot (zeros past the end of the string)."""
+    offset = slot * STATE_BYTES
+    if slot < 0 or offset + STATE_BYTES > len(blob):
+        return StateRecord()
+    return StateRecord(*_fields(blob, offset, STATE_FIELDS))
+
+
+def unpack_live(blob: bytes, slot: int) -> LiveRecord:
+    """The `live` record of one slot (zeros past the end of the string)."""
+    offset = slot * LIVE_BYTES
+    if slot < 0 or offset + LIVE_BYTES > len(blob):
+        return LiveRecord()
+    values = _fields(blob, offset, LIVE_FIELDS)
+    hints = {
+        name: Hint(values[1 + 2 * k] / HINT_SCALE, values[2 + 2 * k])
+        for k, name in enumerate(HINT_NAMES)
+        if values[2 + 2 * k]
+    }
+    return LiveRecord(values[0], hints)
+
+
+def changed_slots(old: bytes, new: bytes, itemsize: int) -> list[int]:
+    """Slots whose record differs between two packed strings (or exists in one only)."""
+    n_old, n_new = len(old) // itemsize, len(new) // itemsize
+    common = min(n_old, n_new)
+    a = np.frombuffer(old, dtype=np.uint8, count=common * itemsize).reshape(common, itemsize)
+    b = np.frombuffer(new, dtype=np.uint8, count=common * itemsize).reshape(common, itemsize)
+    diff: list[int] = np.flatnonzero((a != b).any(axis=1)).tolist()
+    return [*diff, *range(common, max(n_old, n_new))]
