@@ -250,6 +250,9 @@ class Coordinator:
             iid for iid, row in self._cache.rows.items() if now - row.last_seen_ms <= ttl
         }
         self._degraded = True
+        for spec in self._registered.values():
+            if spec.id not in self._cache.rows:  # what this node registered, at least
+                self._remember_locally(spec)
         self.stats.degraded_entries += 1
         if self._recovery is None or self._recovery.done():
             with suppress(RuntimeError):
@@ -388,10 +391,13 @@ class Coordinator:
         outage. The cache keeps its rows until then: degraded mode selects from them.
         """
         run = view[0].decode() if isinstance(view[0], bytes) else str(view[0])
-        if self._cache.run_id and run != self._cache.run_id and not self._reasserting:
-            if not self._degraded:
-                self.stats.pool_losses += 1
-            self._enter_degraded(f"redis lost the pool (run_id {self._cache.run_id} -> {run})")
+        if self._cache.run_id and run != self._cache.run_id:
+            # Only the re-assert's own read switches runs: a late reply of either
+            # run must not empty the rows degraded selection depends on.
+            if not self._reasserting:
+                if not self._degraded:
+                    self.stats.pool_losses += 1
+                self._enter_degraded(f"redis lost the pool (run_id {self._cache.run_id} -> {run})")
             return False
         self._cache.apply_view(*view[:5])
         return True
@@ -875,7 +881,7 @@ class Coordinator:
         for spec in list(self._registered.values()):
             with suppress(EpochFencedError):
                 await direct("register", [spec.id, spec.to_json(), spec.max_slots, spec.epoch])
-        self._apply(await direct("read_state", [1]))
+        self._cache.apply_view(*(await direct("read_state", [1]))[:5])
         if self._cache.specs_behind:
             await self._read_specs(direct)
         # Renew between chunks: restoring thousands of reservations over a slow link

@@ -438,3 +438,17 @@ def test_the_cached_redis_time_resets_with_the_run() -> None:
     assert cache.now_ms == 1_000_000
     cache.apply_view("run-b", 1, 999_000, "")  # a late reply of the same run never rewinds
     assert cache.now_ms == 1_000_000
+
+
+async def test_degraded_selection_knows_what_the_node_registered(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Found by the stress: a node whose cache was empty (a reply of another run, or
+    none yet) degraded with nothing to choose from and refused every request."""
+    c = await make_coordinator("n1", settings=Settings(**FAST))
+    await c.register_instance(spec(0))  # registered, but never read back into the cache
+    lose_next_reply(c, "snapshot")
+    res = await c.reserve(10, 10)
+    assert res.degraded and res.instance_id == "i0"
+    await recovered(c)
+    await assert_counters_match_reservations(c)
