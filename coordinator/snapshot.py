@@ -138,8 +138,9 @@ class PoolCache:
             self.slot_ids[int(slot)] = iid
             if old is None or old.slot != int(slot):
                 self.membership += 1
-                self.live_mono = -1e18  # its liveness was never read: read it now
             self._build(iid)
+            if not self.rows[iid].last_seen_ms:
+                self.live_mono = -1e18  # registered after `live` was read: read it now
         if full:
             for iid in [i for i in self.entries if i not in seen]:
                 self._drop(iid)

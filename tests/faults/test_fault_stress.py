@@ -180,6 +180,7 @@ class Pool:
     index: list[str]
     leases: dict[str, int]
     now_ms: int
+    voids: set[str]
 
     def problems(self) -> list[str]:
         """Counters, pending_prefill_ms and the index against the records."""
@@ -189,7 +190,8 @@ class Pool:
         for rid, rec in self.records.items():
             iid = rec["instance"]
             if self.epochs.get(iid) != rec["epoch"]:
-                found.append(f"{rid} on {iid}: epoch {rec['epoch']} is void or unknown")
+                if iid not in self.voids:  # void records wait for a bounded sweep
+                    found.append(f"{rid} on {iid}: epoch {rec['epoch']} void, not queued")
                 continue
             expected["inflight"][iid] += 1
             if rec["phase"] == "prefill":
@@ -203,7 +205,8 @@ class Pool:
         if self.pending_ms != expected_ms:
             found.append(f"pending_prefill_ms {self.pending_ms} != records {expected_ms}")
         index = sorted(
-            lex_member(r["instance"], r["end_at_ms"], rid) for rid, r in self.records.items()
+            lex_member(r["instance"], r["epoch"], r["end_at_ms"], rid)
+            for rid, r in self.records.items()
         )
         if sorted(self.index) != index:
             found.append(f"by_instance {sorted(self.index)} != records {index}")
@@ -227,6 +230,7 @@ async def read_pool(client: Redis) -> Pool:
     pipe.zrange(keys.column("by_instance"), 0, -1)
     pipe.zrange(keys.column("nodes"), 0, -1, withscores=True)
     pipe.time()
+    pipe.smembers(keys.column("voids"))
     r = await pipe.execute()
     seconds, micros = r[8]
     return Pool(
@@ -237,6 +241,7 @@ async def read_pool(client: Redis) -> Pool:
         index=list(r[6]),
         leases={str(n): int(score) for n, score in r[7]},
         now_ms=int(seconds) * 1000 + int(micros) // 1000,
+        voids={str(v) for v in r[9]},
     )
 
 

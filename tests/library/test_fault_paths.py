@@ -447,7 +447,7 @@ async def test_degraded_selection_knows_what_the_node_registered(
     none yet) degraded with nothing to choose from and refused every request."""
     c = await make_coordinator("n1", settings=Settings(**FAST))
     await c.register_instance(spec(0))  # registered, but never read back into the cache
-    lose_next_reply(c, "snapshot")
+    lose_next_reply(c, "read_state")
     res = await c.reserve(10, 10)
     assert res.degraded and res.instance_id == "i0"
     await recovered(c)

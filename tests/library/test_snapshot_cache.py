@@ -1,39 +1,57 @@
-"""The incremental snapshot (DESIGN.md §4 cost target): deltas, tombstones, ordering, resets."""
+"""The node's view of a pool (flat cost): packed state per decision, specs on change,
+bounded steps for long work, and starting over when Redis lost the pool."""
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from coordinator import Coordinator
+from coordinator import coordinator as coordinator_module
 from coordinator.errors import CoordinationUnavailableError
-from coordinator.snapshot import PoolCache
+from coordinator.models import InstanceRow
+from coordinator.packed import LIVE_BYTES, STATE_BYTES
 from tests.conftest import MakeCoordinator
-from tests.helpers import delete_pool, spec, wait_for
+from tests.helpers import (
+    assert_counters_match_reservations,
+    delete_pool,
+    live_reservations,
+    spec,
+    wait_for,
+)
 
 POOL_SIZE = 50
 
 
-async def raw_snapshot(c: Coordinator, since: int = 0, run_id: str = "") -> list[Any]:
-    """The snapshot script's reply as it comes off the wire."""
-    reply: list[Any] = await c._call("snapshot", [since, run_id])
-    return reply
+def count_calls(c: Coordinator) -> Counter[str]:
+    """Count the scripts a node calls from now on, by name."""
+    calls: Counter[str] = Counter()
+    real = c._direct_call
+
+    async def counted(name: str, args: list[Any], extra: tuple[str | bytes, ...] = ()) -> Any:
+        calls[name] += 1
+        return await real(name, args, extra)
+
+    c._direct_call = counted  # type: ignore[method-assign]
+    return calls
 
 
-async def full_read(c: Coordinator) -> PoolCache:
-    """A cache built from one full read, to compare incremental caches against."""
-    cache = PoolCache()
-    cache.apply(await raw_snapshot(c))
-    return cache
+def comparable(rows: dict[str, InstanceRow]) -> dict[str, InstanceRow]:
+    """Rows without `version`, which counts the changes one node has seen."""
+    return {iid: replace(row, version=0) for iid, row in rows.items()}
 
 
-async def assert_cache_is_current(c: Coordinator) -> None:
-    """The node's incrementally kept rows equal a fresh full read, row for row."""
-    fresh = await full_read(c)
-    assert c._cache.run_id == fresh.run_id
-    assert c._cache.version == fresh.version
-    assert c._cache.rows == fresh.rows
+async def assert_view_is_current(c: Coordinator, make_coordinator: MakeCoordinator) -> None:
+    """The node's incrementally kept rows equal what a brand-new node reads."""
+    fresh = await make_coordinator(f"fresh-{c.node_id}")
+    await fresh.refresh(live=True)
+    await c.refresh(live=True)
+    assert c._cache.run_id == fresh._cache.run_id
+    assert c._cache.spec_gen == fresh._cache.spec_gen
+    assert comparable(c._cache.rows) == comparable(fresh._cache.rows)
 
 
 async def notice_pool_lost(c: Coordinator) -> None:
@@ -53,123 +71,143 @@ async def two_nodes(make_coordinator: MakeCoordinator) -> tuple[Coordinator, Coo
     return a, b
 
 
-async def test_refresh_applies_only_changed_rows(make_coordinator: MakeCoordinator) -> None:
+async def test_only_changed_records_rebuild_rows(make_coordinator: MakeCoordinator) -> None:
     a, b = await two_nodes(make_coordinator)
-    await a.refresh()
+    await a.refresh(live=True)
     cache = a._cache
     assert len(cache.rows) == POOL_SIZE
-    assert cache.rows_applied == POOL_SIZE  # the first read is full
-    await assert_cache_is_current(a)
+    assert len(cache.state) == POOL_SIZE * STATE_BYTES
+    assert len(cache.live) == POOL_SIZE * LIVE_BYTES
+    built = cache.rows_applied
+    await a.refresh(live=True)
+    assert cache.rows_applied == built, "nothing changed, nothing rebuilt"
 
-    applied = cache.rows_applied
-    await a.refresh()  # nothing changed: nothing decoded
-    assert cache.rows_applied == applied
-
-    await b.heartbeat_instance("i7", {"engine_running": 3.0})
-    r = await b.reserve(100, 10)
-    await b.mark_first_token(r.rid)
-    changed = {"i7", r.instance_id}
-    await a.refresh()
-    # Several changes to the same instance still ship as one row.
-    assert cache.rows_applied - applied == len(changed)
-    assert cache.rows["i7"].hints["engine_running"].value == 3.0
-    assert cache.rows[r.instance_id].active_decode == 1
-    await assert_cache_is_current(a)
-
-    # A node's own reserve piggybacks just the row it touched.
-    applied = cache.rows_applied
-    mine = await a.reserve(100, 10)
-    assert cache.rows_applied - applied == 1
-    assert cache.rows[mine.instance_id].inflight == 1 + (mine.instance_id == r.instance_id)
-    await assert_cache_is_current(a)
-    await b.release(r.rid)
-    await a.release(mine.rid)
-    applied = cache.rows_applied
-    await a.refresh()
-    assert cache.rows_applied == applied  # the release replies already carried every change
-    await assert_cache_is_current(a)
+    held = [await b.reserve(100, 10) for _ in range(3)]
+    await a.refresh(live=False)
+    assert cache.rows_applied - built == len({r.instance_id for r in held})
+    built = cache.rows_applied
+    await b.heartbeat_instance("i7", {"engine_running": 2.5})
+    await a.refresh(live=False)
+    assert cache.rows_applied == built, "liveness is read only when asked or due"
+    await a.refresh(live=True)
+    assert cache.rows_applied - built == 1
+    assert cache.rows["i7"].hints["engine_running"].value == 2.5
+    for r in held:
+        await b.release(r.rid)
+    await assert_view_is_current(a, make_coordinator)
 
 
-async def test_unregistered_instances_leave_by_tombstone(make_coordinator: MakeCoordinator) -> None:
+async def test_specs_are_read_only_when_they_change(make_coordinator: MakeCoordinator) -> None:
     a, b = await two_nodes(make_coordinator)
     await a.refresh()
-    cache = a._cache
-    applied = cache.rows_applied
-    await b.unregister_instance("i3")
-    await b.unregister_instance("i40")
+    calls = count_calls(a)
+    for _ in range(5):
+        await a.release((await a.reserve(100, 10)).rid)
+        await a.refresh()
+    assert calls["read_specs"] == 0, calls
+    await b.register_instance(spec(3, max_slots=7))
     await a.refresh()
-    assert cache.rows_applied - applied == 2
-    assert "i3" not in cache.rows and "i40" not in cache.rows
-    assert len(cache.rows) == POOL_SIZE - 2
-    assert {row.id for row in await a.list_instances(include_dead=True)} == {
-        f"i{i}" for i in range(POOL_SIZE)
-    } - {"i3", "i40"}
-    await assert_cache_is_current(a)
-
-    # The id comes back later with a version above its tombstone, so it is not dropped.
-    await b.register_instance(spec(3))
-    await a.refresh()
-    assert "i3" in cache.rows
-    await assert_cache_is_current(a)
-    # A full read never ships tombstones.
-    fresh = await raw_snapshot(a)
-    assert int(fresh[3]) == 1
-    assert len(fresh[4]) == POOL_SIZE - 1
-    assert all(row[1] is not None for row in fresh[4])
+    assert calls["read_specs"] == 1
+    assert a._cache.rows["i3"].max_slots == 7
+    await assert_view_is_current(a, make_coordinator)
 
 
-async def test_out_of_order_replies_never_regress_a_row(make_coordinator: MakeCoordinator) -> None:
+async def test_reserve_replies_carry_the_view(make_coordinator: MakeCoordinator) -> None:
     a, b = await two_nodes(make_coordinator)
     await a.refresh()
-    since, run_id = a._cache.since()
+    calls = count_calls(a)
     first = await b.reserve(100, 10)
-    iid = first.instance_id
-    older = await raw_snapshot(a, since, run_id)  # delta: iid with 1 reservation
-    older_full = await raw_snapshot(a)
-    second = await b.reserve(100, 10, strategy="round_robin")
-    await b.mark_first_token(second.rid)
-    await b.heartbeat_instance(iid, {"queue_depth": 2.0})
-    await b.reserve(100, 10)
-    newer = await raw_snapshot(a, since, run_id)
-
-    cache = a._cache
-    cache.apply(newer)
-    expected = {rid: row for rid, row in cache.rows.items()}
-    version = cache.version
-    cache.apply(older)  # arrives late: must change nothing
-    cache.apply(older_full)
-    assert cache.rows == expected
-    assert cache.version == version
-    await assert_cache_is_current(a)
-
-    # The same holds for a cache that first sees a full read, then stale deltas.
-    other = PoolCache()
-    other.apply(await raw_snapshot(a))
-    other.apply(older)
-    assert other.rows == (await full_read(a)).rows
+    res = await a.reserve(100, 10)
+    assert calls == {"reserve": 1}, "a fresh view needs no separate read"
+    assert a._cache.rows[first.instance_id].inflight == 1
+    assert a._cache.rows[res.instance_id].inflight == 1 + (res.instance_id == first.instance_id)
 
 
-async def test_late_reply_does_not_resurrect_an_unregistered_instance(
+async def test_unregistered_slot_is_reused_and_read_right(
     make_coordinator: MakeCoordinator,
 ) -> None:
     a, b = await two_nodes(make_coordinator)
     await a.refresh()
-    since, run_id = a._cache.since()
-    await b.heartbeat_instance("i5")
-    older = await raw_snapshot(a, since, run_id)  # carries the live row of i5
+    slot = a._cache.entries["i5"].slot
     await b.unregister_instance("i5")
-    newer = await raw_snapshot(a, since, run_id)  # carries i5's tombstone
-    cache = a._cache
-    cache.apply(newer)
-    assert "i5" not in cache.rows
-    cache.apply(older)
-    assert "i5" not in cache.rows, "an older reply brought an unregistered instance back"
+    await b.register_instance(spec("fresh", max_slots=3))
+    await a.refresh()
+    assert "i5" not in a._cache.rows
+    assert a._cache.entries["fresh"].slot == slot
+    held = await b.reserve(100, 10, exclude=[f"i{i}" for i in range(POOL_SIZE)])
+    assert held.instance_id == "fresh"
+    await a.refresh()
+    assert a._cache.rows["fresh"].inflight == 1
+    await assert_view_is_current(a, make_coordinator)
+
+
+async def test_a_node_behind_the_kept_spec_log_reads_everything_in_steps(
+    make_coordinator: MakeCoordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = await two_nodes(make_coordinator)
+    await a.refresh()
+    await b.unregister_instance("i1")
+    for i in range(POOL_SIZE, POOL_SIZE + 5):
+        await b.register_instance(spec(i))
+    # The log kept only its newest entry (as after more than SPEC_LOG_MAX changes).
+    await a.redis.zremrangebyrank(a.keys.column("spec_log"), 0, -2)
+    monkeypatch.setattr(coordinator_module, "SPEC_READ_STEP", 7)
+    calls = count_calls(a)
+    await a.refresh()
+    assert calls["read_specs"] >= (POOL_SIZE + 4) // 7, calls
+    assert "i1" not in a._cache.rows and f"i{POOL_SIZE + 4}" in a._cache.rows
+    await assert_view_is_current(a, make_coordinator)
+
+
+async def test_unregister_voids_records_in_bounded_steps(make_coordinator: MakeCoordinator) -> None:
+    a = await make_coordinator("node-a")
+    await a.register_instance(spec(0))
+    await a.register_instance(spec(1))
+    held = [await a.reserve(10, 10, exclude=["i1"]) for _ in range(700)]
+    assert {r.instance_id for r in held} == {"i0"}
+    await a.unregister_instance("i0")
+    left = await live_reservations(a)
+    assert 0 < len(left) < 700, "one call deletes a bounded number of records"
+    await assert_counters_match_reservations(a)  # the rest are queued, counted nowhere
+    await a.reap_expired()  # the lease loop's step: renew, reap, sweep
+    assert await live_reservations(a) == {}
+    assert await a.redis.scard(a.keys.column("voids")) == 0
+    await assert_counters_match_reservations(a)
+
+
+async def test_restart_voids_old_epoch_in_steps_while_new_counts_exactly(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    a = await make_coordinator("node-a")
+    await a.register_instance(spec(0))
+    for _ in range(600):
+        await a.reserve(10, 10)
+    await a.register_instance(spec(0, epoch=2))
+    fresh = await a.reserve(10, 10)
+    assert fresh.epoch == 2
+    await assert_counters_match_reservations(a)
+    assert (await a.snapshot()).by_id()["i0"].inflight == 1
+    await a.reap_expired()
+    assert set(await live_reservations(a)) == {fresh.rid}
+    await assert_counters_match_reservations(a)
+
+
+async def test_a_dead_node_is_reaped_in_bounded_steps(make_coordinator: MakeCoordinator) -> None:
+    dead = await make_coordinator("dead", lease_ms=60_000)
+    await dead.register_instance(spec(0))
+    for _ in range(1_100):
+        await dead.reserve(10, 10)
+    reaper = await make_coordinator("reaper")
+    calls = count_calls(reaper)
+    assert await reaper.reap_node("dead", force=True) == 1_100
+    assert calls["reap_node"] == 3  # 500 + 500 + 100
+    assert await live_reservations(reaper) == {}
+    await assert_counters_match_reservations(reaper)
 
 
 async def test_reserve_rereads_before_reporting_no_instance(
     make_coordinator: MakeCoordinator,
 ) -> None:
-    # The default snapshot_max_age_ms (25 ms) has the same flaw, only in a narrower window.
     a = await make_coordinator("node-a", snapshot_max_age_ms=60_000)
     b = await make_coordinator("node-b")
     await a.refresh()  # node a has a fresh view of an empty pool
@@ -178,36 +216,23 @@ async def test_reserve_rereads_before_reporting_no_instance(
     assert r.instance_id == "i0"
 
 
-async def test_pool_lost_means_new_run_and_full_reread(make_coordinator: MakeCoordinator) -> None:
+async def test_pool_lost_means_new_run_and_full_reread(
+    make_coordinator: MakeCoordinator,
+) -> None:
     a, b = await two_nodes(make_coordinator)
     await a.refresh()
-    cache = a._cache
-    old_run, old_version = cache.run_id, cache.version
-    assert old_run and old_version >= POOL_SIZE
-
+    old_run = a._cache.run_id
     # Redis restarts empty: the pool's keys vanish, then one node re-registers a few.
     await delete_pool(a.redis, a.settings.key_prefix, a.pool)
     for i in (1, 2, 60):
         await b.register_instance(spec(i))
-    applied = cache.rows_applied
-    reply = await raw_snapshot(a, *cache.since())
-    assert int(reply[3]) == 1, "a changed run must answer with a full read"
     await notice_pool_lost(a)
-    assert cache.run_id != old_run
-    assert set(cache.rows) == {"i1", "i2", "i60"}
-    assert cache.rows_applied - applied == 3
-    assert cache.version < old_version
-    await assert_cache_is_current(a)
-
-    # And the new run is incremental again from there.
-    applied = cache.rows_applied
-    await b.heartbeat_instance("i2")
-    await a.refresh()
-    assert cache.rows_applied - applied == 1
-    await assert_cache_is_current(a)
+    assert a._cache.run_id != old_run
+    assert set(a._cache.rows) == {"i1", "i2", "i60"}
+    await assert_view_is_current(a, make_coordinator)
 
 
-async def test_pool_lost_with_nothing_back_empties_the_cache(
+async def test_pool_lost_with_nothing_back_empties_the_view(
     make_coordinator: MakeCoordinator,
 ) -> None:
     a, _ = await two_nodes(make_coordinator)
