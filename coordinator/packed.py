@@ -6,12 +6,13 @@ short reply and finds what changed by comparing records. A field is a fixed numb
 of base-128 digits, most significant first: every byte is 0..127, plain ASCII, so a
 client that decodes replies as text gets them unchanged.
 
-- `state` (25 bytes; every reservation transition rewrites it): inflight,
-  pending_prefill, active_decode (3 digits, saturating at 2,097,151),
-  prefill_free_at_ms and earliest_end_at_ms (8 digits; 0 = no live reservation);
-- `live` (47 bytes; heartbeats rewrite it): last_seen_ms (8 digits), then per hint
-  (engine_running, engine_waiting, queue_depth) its value × 1000 (5 digits,
-  saturating) and the Redis time it was reported (8 digits, 0 = never).
+- `state` (18 bytes; every reservation transition rewrites it): pending_prefill and
+  active_decode (3 digits, saturating at 2,097,151; inflight is their sum),
+  prefill_free_at_ms and earliest_end_at_ms (6 digits: Redis ms up to the year
+  2109; 0 = no live reservation);
+- `live` (36 bytes; heartbeats rewrite it): last_seen_ms (6 digits), then per hint
+  (engine_running, engine_waiting, queue_depth) its value × 1000 (4 digits,
+  saturating at 268,435.455) and the Redis time it was reported (6 digits, 0 = never).
 
 `redis-cli` shows the same numbers in the column hashes (inflight, pending_prefill,
 prefill_free_at_ms, last_seen_ms, hints), which stay the source of truth; `coordinator
@@ -27,8 +28,8 @@ import numpy as np
 
 from coordinator.models import HINT_NAMES, Hint
 
-STATE_FIELDS = (3, 3, 3, 8, 8)  # digits per field
-LIVE_FIELDS = (8, *(n for _ in HINT_NAMES for n in (5, 8)))
+STATE_FIELDS = (3, 3, 6, 6)  # digits per field
+LIVE_FIELDS = (6, *(n for _ in HINT_NAMES for n in (4, 6)))
 STATE_BYTES = sum(STATE_FIELDS)
 LIVE_BYTES = sum(LIVE_FIELDS)
 HINT_SCALE = 1000.0  # hint values are stored in thousandths
@@ -78,7 +79,8 @@ def unpack_state(blob: bytes, slot: int) -> StateRecord:
     offset = slot * STATE_BYTES
     if slot < 0 or offset + STATE_BYTES > len(blob):
         return StateRecord()
-    return StateRecord(*_fields(blob, offset, STATE_FIELDS))
+    pending, decode, free_at, earliest = _fields(blob, offset, STATE_FIELDS)
+    return StateRecord(pending + decode, pending, decode, free_at, earliest)
 
 
 def unpack_live(blob: bytes, slot: int) -> LiveRecord:

@@ -14,10 +14,11 @@ local HINTS = {'engine_running', 'engine_waiting', 'queue_depth'}
 -- Packed records (coordinator/packed.py decodes them), one per slot. A field is a
 -- fixed number of base-128 digits, most significant first, each byte 0..127: plain
 -- ASCII, so clients that decode replies as text read them unchanged.
--- state: inflight, pending_prefill, active_decode (3 digits each, saturating),
---   prefill_free_at_ms, earliest_end_at_ms (8 digits; 0 = no live reservation)
--- live: last_seen_ms (8), then per hint: value*1000 (5, saturating), at_ms (8; 0 = none)
-local STATE_BYTES, LIVE_BYTES = 25, 47
+-- state: pending_prefill, active_decode (3 digits each, saturating; inflight is their
+--   sum), prefill_free_at_ms, earliest_end_at_ms (6 digits: ms to the year 2109;
+--   0 = no live reservation)
+-- live: last_seen_ms (6), then per hint: value*1000 (4, saturating), at_ms (6; 0 = none)
+local STATE_BYTES, LIVE_BYTES = 18, 36
 local SPEC_LOG_MAX = 10000  -- spec changes kept for incremental readers; older: full read
 local SWEEP_BUDGET = 500  -- reservations one call may void; the rest is swept later
 
@@ -156,19 +157,19 @@ local function sync_state(id)
   if not slot then return end
   local epoch = num(K_EPOCH, id)
   redis.call('SETRANGE', K_STATE, tonumber(slot) * STATE_BYTES,
-    be(num(K_INFLIGHT, id), 3) .. be(num(K_PENDING, id), 3) .. be(num(K_DECODE, id), 3)
-    .. be(num(K_PREFILL_FREE, id), 8) .. be(earliest_end(id, epoch), 8))
+    be(num(K_PENDING, id), 3) .. be(num(K_DECODE, id), 3)
+    .. be(num(K_PREFILL_FREE, id), 6) .. be(earliest_end(id, epoch), 6))
 end
 
 -- Rewrite instance `id`'s packed liveness record (last_seen and hints).
 local function sync_live(id)
   local slot = redis.call('HGET', K_SLOT, id)
   if not slot then return end
-  local parts = {be(num(K_LAST_SEEN, id), 8)}
+  local parts = {be(num(K_LAST_SEEN, id), 6)}
   for _, name in ipairs(HINTS) do
     local at = redis.call('HGET', K_HINTS, id .. ':' .. name .. '_at_ms')
     local value = at and tonumber(redis.call('HGET', K_HINTS, id .. ':' .. name)) or 0
-    table.insert(parts, be(math.floor(value * 1000 + 0.5), 5) .. be(at or 0, 8))
+    table.insert(parts, be(math.floor(value * 1000 + 0.5), 4) .. be(at or 0, 6))
   end
   redis.call('SETRANGE', K_LIVE, tonumber(slot) * LIVE_BYTES, table.concat(parts))
 end

@@ -67,8 +67,19 @@ if existing then
     view(now)}
 end
 
--- Unforced: the first alive candidate that is no busier than the caller saw it (only
--- work left it since: first tokens, releases). Forced (the last try): the alive candidate with the fewest live reservations now, first on ties.
+-- Unforced: the first alive candidate that is still no busier than the caller saw it,
+-- or than the caller saw any candidate ranked after it (so it is still at least as
+-- good as the alternatives the caller knows: a stale view costs no retry as long as
+-- its order holds). Forced (the last try): the alive candidate with the fewest live
+-- reservations now, first on ties.
+local floor_inflight, floor_pending = math.huge, math.huge
+for i = n, 1, -1 do
+  local c = candidates[i]
+  c.max_inflight = math.max(c.inflight, floor_inflight == math.huge and 0 or floor_inflight)
+  c.max_pending = math.max(c.pending, floor_pending == math.huge and 0 or floor_pending)
+  floor_inflight = math.min(floor_inflight, c.inflight)
+  floor_pending = math.min(floor_pending, c.pending)
+end
 local saw_alive, saw_full, min_slot_ms = false, false, nil
 local chosen, chosen_inflight = nil, nil
 for _, c in ipairs(candidates) do
@@ -84,7 +95,7 @@ for _, c in ipairs(candidates) do
       if min_slot_ms == nil or wait < min_slot_ms then min_slot_ms = wait end
     elseif force then
       if chosen == nil or inflight < chosen_inflight then chosen, chosen_inflight = c, inflight end
-    elseif inflight <= c.inflight and num(K_PENDING, c.id) <= c.pending then
+    elseif inflight <= c.max_inflight and num(K_PENDING, c.id) <= c.max_pending then
       chosen = c
       break
     end
