@@ -180,10 +180,9 @@ def run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
             [
                 sys.executable,
                 "-m",
-                "coordinator_cli.main",
+                "proxy_node",
                 "--log-level",
                 "WARNING",
-                "serve",
                 "--redis-url",
                 redis_url,
                 "--pool",

@@ -24,6 +24,7 @@ def known_environment() -> set[str]:
     """Every variable the code reads: coordinator knobs, node flags, mock engine, demo."""
     names = {f"COORD_{f.name.upper()}" for f in fields(Settings)}
     sources = [*ROOT.glob("proxy_node/*.py"), *ROOT.glob("coordinator/*.py")]
+    sources += [*ROOT.glob("local_fleet/**/*.py"), *ROOT.glob("bench/**/*.py")]
     for source in sources:
         names.update(
             re.findall(r"[\"'](COORD_[A-Z_]+|DEMO_[A-Z_]+|REDIS_URL)[\"']", source.read_text())
