@@ -85,6 +85,11 @@ class EmbeddedRedis:
         )
         return out.stdout.strip()
 
+    @property
+    def version_line(self) -> str:
+        """The banner's name and version, e.g. `Redis server v=7.2.4` (build details cut)."""
+        return self.version.split(" sha=", 1)[0] or "version unknown"
+
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         """Start the server and wait until it answers PING."""
         self.binary = self.binary or find_server_binary()

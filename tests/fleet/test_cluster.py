@@ -139,6 +139,9 @@ def test_cluster_command_leaves_nothing_behind_after_sigterm(tmp_path: Path) -> 
                 break
         assert any("cluster is up" in line for line in lines), "".join(lines)
         assert any("redis-cli" in line for line in lines)
+        # The private server is named: its binary's path and version.
+        server = next(line for line in lines if line.startswith("redis "))
+        assert "(private: /" in server and "-server, " in server and " v=" in server, server
         children = _children(proc.pid)
         assert len(children) == 5  # redis + 2 nodes + 2 engines
         # The server runs inside its temporary directory (--dir): its cwd is that directory.
@@ -160,8 +163,12 @@ def test_cluster_command_leaves_nothing_behind_after_sigterm(tmp_path: Path) -> 
     assert not redis_dirs[0].exists()
 
 
-def test_demo_runs_and_prints_its_table() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+def test_demo_runs_prints_its_table_and_leaves_no_key(redis_url: str) -> None:
+    # Against a Redis of the user's (REDIS_URL), as the README offers.
+    env = {**os.environ, "REDIS_URL": redis_url}
+    client = Redis.from_url(redis_url)
+    other = "lc:{demo2}:meta"  # another pool's key: the demo must not touch it
+    client.set(other, "x")
     base = free_port_block(3, 4)
     out = subprocess.run(
         [
@@ -187,3 +194,12 @@ def test_demo_runs_and_prints_its_table() -> None:
     assert "TTFT p50" in out.stdout and "ALL" in out.stdout
     assert "least_load pressure over time" in out.stdout
     assert " 0 failed" in out.stdout
+    # The closing hint says where to look, with the Redis URL, and why the pool is empty.
+    assert f"coordinator inspect --redis-url {redis_url} --pool demo" in out.stdout
+    assert "keys were deleted" in out.stdout
+    try:
+        assert list(client.scan_iter(match="lc:{demo}:*")) == []
+        assert client.get(other) == b"x"
+    finally:
+        client.delete(other)
+        client.close()
