@@ -23,7 +23,7 @@ from tests.fake_engine import settled
 from tests.helpers import assert_counters_match_reservations, counters, delete_pool, spec, wait_for
 from tests.topologies import LocalCluster, PoolPlacement, TopologyHarness, place_pools
 
-pytestmark = [pytest.mark.real, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.slow, pytest.mark.real, pytest.mark.timeout(60)]
 
 SETTINGS = Settings(redis_timeout_ms=1000, recovery_interval_ms=50, instance_ttl_ms=60_000)
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
