@@ -24,7 +24,7 @@ from typing import Any
 
 from redis import Redis as SyncRedis
 
-from bench.docs import checkout_root, write_section
+from bench.docs import add_write_docs, checkout_root, write_section
 from bench.pool import register_idle_pool
 from coordinator import Coordinator, Settings
 from local_fleet.embedded import EmbeddedRedis
@@ -117,7 +117,7 @@ def render(rows: list[dict[str, Any]], decisions: int, server: str, command: str
     lines = [
         "## Decision overhead (snapshot + score + reserve)",
         "",
-        f"`{command}` — "
+        f"`{command} --write-docs` — "
         f"{decisions} decisions per node per case, each node its own process, {server}. "
         "`max_age` is `snapshot_max_age_ms`: 25 (default) reuses the delta piggybacked on "
         "the node's previous script reply when it is younger than 25 ms; 0 reads the "
@@ -181,12 +181,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="use this server instead of a private one")
     parser.add_argument("--decisions", type=int, default=1500, help="per node and case")
     parser.add_argument("--quick", action="store_true", help="300 decisions per node")
-    parser.add_argument("--no-write", action="store_true", help="print only")
+    add_write_docs(parser, "docs/benchmarks.md and docs/img/")
     parser.set_defaults(overhead_command=COMMAND)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the grid, print the table, write docs/benchmarks.md and the plot."""
+    """Run the grid, print the table; with --write-docs, write docs/benchmarks.md and the plot."""
     decisions = 300 if args.quick else args.decisions
     if decisions < 1:
         print("error: --decisions must be >= 1", file=sys.stderr)
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         args.overhead_command,
     )
     print(table)
-    if not args.no_write:
+    if args.write_docs:
         write_section("decision", table)
         plot(rows)
     return 0

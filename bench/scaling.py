@@ -4,11 +4,11 @@ Every number comes from a private server started here (EmbeddedRedis: redis-serv
 PATH, else the bundled valkey-server) and from local Sentinel topologies
 (tests/topologies.py). Server cost is read from the server itself: INFO commandstats
 (usec spent in EVALSHA) and INFO cpu (user+sys CPU of the whole server process,
-networking included). The script prints its tables and writes docs/scaling.md.
+networking included). The script prints its tables; with --write-docs it also
+writes docs/scaling.md.
 
-    python bench/scaling.py              # about 3 minutes on 2 cores
-    python bench/scaling.py --quick      # a smoke run (smaller samples)
-    python bench/scaling.py --no-write   # print only
+    python bench/scaling.py --write-docs   # about 3 minutes on 2 cores
+    python bench/scaling.py --quick        # a smoke run (smaller samples), print only
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from redis.asyncio import Redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.docs import add_write_docs  # noqa: E402
 from coordinator import Coordinator, InstanceSpec, Settings  # noqa: E402
 from coordinator.keys import PoolKeys  # noqa: E402
 from coordinator.scripts import Scripts  # noqa: E402
@@ -562,7 +563,7 @@ def render(r: Results) -> str:
     lean = min(r.shard, key=lambda x: x["cpu_us_per_req"])
     busy = max(r.shard, key=lambda x: x["rows_per_call"])
     single, spread, grouped, proposed = r.estimate
-    command = "python bench/scaling.py" + (" --quick" if r.quick else "")
+    command = "python bench/scaling.py --write-docs" + (" --quick" if r.quick else "")
     out = [
         "# Scaling: shards, pools and failover",
         "",
@@ -797,12 +798,12 @@ def render(r: Results) -> str:
 
 
 def main() -> int:
-    """Run every section, print the tables, write docs/scaling.md."""
+    """Run every section, print the tables; with --write-docs, write docs/scaling.md."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="small samples, one failover")
-    parser.add_argument("--no-write", action="store_true", help="print only")
+    add_write_docs(parser, "docs/scaling.md")
     args = parser.parse_args()
     started = time.monotonic()
     load_before = os.getloadavg()[0]
@@ -846,7 +847,7 @@ def main() -> int:
     )
     doc = render(results)
     print(doc)
-    if not args.no_write:
+    if args.write_docs:
         DOC.parent.mkdir(parents=True, exist_ok=True)
         DOC.write_text(doc)
         print(f"wrote {DOC}")

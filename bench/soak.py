@@ -15,11 +15,11 @@ reaper, and reports: requests sent / completed / disconnected / failed (each fai
 with its cause, and whether the fault in progress explains it), reservations left in
 Redis after quiesce (must be 0), client-side TTFT p99 per minute, the invariant
 checks made during the run, and each node's RSS at start and end (from /proc).
-It writes docs/reliability.md, with the raw results embedded so that
-`--rerender` can rebuild the page without running again.
+With --write-docs it writes docs/reliability.md, with the raw results embedded so
+that `--rerender` can rebuild the page without running again.
 
-    python bench/soak.py                      # 10 minutes (the documented run)
-    python bench/soak.py --minutes 2 --fault-every 10 20    # a quick smoke run
+    python bench/soak.py --write-docs         # 10 minutes (the documented run)
+    python bench/soak.py --minutes 2 --fault-every 10 20    # a quick smoke run, print only
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from typing import Any, TextIO
 import aiohttp
 from redis.asyncio import Redis
 
+from bench.docs import add_write_docs
 from coordinator.keys import PoolKeys
 from local_fleet.cluster import Child, LocalCluster, free_port_block
 from local_fleet.embedded import EmbeddedRedis
@@ -1017,8 +1018,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="seed of every random draw")
     p.add_argument("--log", default="/tmp/soak-cluster.log", help="the processes' output")
     p.add_argument("--raw", default="/tmp/soak-requests.json", help="every request, as JSON")
-    p.add_argument("--doc", default=str(DOC), help="markdown file to write")
-    p.add_argument("--no-doc", action="store_true", help="print the report, write no doc")
+    p.add_argument("--doc", default=str(DOC), help="markdown file --write-docs writes")
+    add_write_docs(p, "--doc")
     p.add_argument(
         "--rerender", action="store_true", help="rebuild the doc from its embedded results"
     )
@@ -1056,7 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.raw, "w") as raw:
         json.dump([asdict(r) for r in results.requests_raw], raw)
     print(report_tables(summary), file=out)
-    if not args.no_doc:
+    if args.write_docs:
         doc.parent.mkdir(parents=True, exist_ok=True)
         doc.write_text(render(summary))
         print(f"\nwrote {doc}; process output in {args.log}", file=out)
