@@ -2,7 +2,7 @@
 
 Every number comes from a private server started here (EmbeddedRedis: redis-server on
 PATH, else the bundled valkey-server) and from local Sentinel topologies
-(tests/topologies.py). Server cost is read from the server itself: INFO commandstats
+(local_fleet/topologies.py). Server cost is read from the server itself: INFO commandstats
 (usec spent in EVALSHA) and INFO cpu (user+sys CPU of the whole server process,
 networking included). The script prints its tables; with --write-docs it also
 writes docs/scaling.md.
@@ -397,7 +397,7 @@ def measure_shard(url: str, quick: bool) -> list[dict[str, Any]]:
 
 
 async def _failover_trial() -> dict[str, float]:
-    from tests.topologies import LocalSentinel
+    from local_fleet.topologies import LocalSentinel
 
     topology = LocalSentinel(down_after_ms=1000, failover_timeout_ms=3000).start()
     settings = Settings(

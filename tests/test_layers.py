@@ -103,6 +103,18 @@ def test_no_module_uses_a_higher_layer(package: str) -> None:
     assert [str(u) for u in upward_uses(package)] == []
 
 
+@pytest.mark.parametrize("package", LAYERS)
+def test_no_package_module_uses_the_tests(package: str) -> None:
+    """tests/ is not installed: a package that imports it breaks outside a checkout."""
+    used = [
+        str(u)
+        for path in modules(package)
+        for u in uses(path)
+        if u.how == "import" and u.target.split(".")[0] == "tests"
+    ]
+    assert used == []
+
+
 def test_the_scan_sees_imports_strings_and_command_lines() -> None:
     """The checker itself: each form of an upward reference is caught, prose is not."""
     source = (
