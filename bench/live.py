@@ -46,7 +46,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.sim.cli import strategy_list
+from bench.sim.cli import add_workload_arguments, strategy_list
 from bench.sim.report import json_ready
 from bench.sim.simulator import SimConfig, StrategyResult, compare
 from bench.sim.synthetic import load_requests, workload_name
@@ -771,20 +771,9 @@ def _speed(text: str) -> float | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `bench live`."""
     d = LiveConfig()
-    parser.add_argument(
-        "--trace",
-        default=None,
-        help="trace file: Azure CSV or JSONL (see the README for public traces); default: "
-        "the built-in synthetic workload of `bench sim`, drawn from --seed",
-    )
+    add_workload_arguments(parser)
     parser.add_argument("--limit", type=int, default=400, help="requests replayed")
     parser.add_argument("--offset", type=int, default=0, help="skip this many requests first")
-    parser.add_argument(
-        "--utilization",
-        type=float,
-        default=0.8,
-        help="scale arrivals to this offered load, as `bench sim` does (0 = as recorded)",
-    )
     parser.add_argument("--instances", type=int, default=d.instances, help="mock engines")
     parser.add_argument("--nodes", type=int, default=d.nodes, help="proxy nodes")
     parser.add_argument(

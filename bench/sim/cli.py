@@ -43,16 +43,14 @@ def _weights(text: str) -> Weights:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `bench sim`."""
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """--trace and --utilization, the same for `bench sim` and `bench live`."""
     parser.add_argument(
         "--trace",
         default=None,
         help="trace file: Azure CSV or JSONL (see the README for public traces); default: "
         "the built-in synthetic workload (bench/sim/synthetic.py), drawn from --seed",
     )
-    parser.add_argument("--instances", type=int, default=8, help="engine instances")
-    parser.add_argument("--nodes", type=int, default=3, help="proxy nodes (arrivals round-robin)")
     parser.add_argument(
         "--utilization",
         type=float,
@@ -60,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="scale inter-arrival times to this offered load (0 = replay as recorded); "
         "see bench/sim/traces.py for the capacity definition",
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `bench sim`."""
+    add_workload_arguments(parser)
+    parser.add_argument("--instances", type=int, default=8, help="engine instances")
+    parser.add_argument("--nodes", type=int, default=3, help="proxy nodes (arrivals round-robin)")
     parser.add_argument(
         "--hint-interval-ms",
         type=float,
