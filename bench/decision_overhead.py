@@ -28,6 +28,7 @@ from bench.docs import add_write_docs, checkout_root, write_section
 from bench.pool import register_idle_pool
 from coordinator import Coordinator, Settings
 from local_fleet.embedded import EmbeddedRedis
+from local_fleet.pools import delete_pool
 from local_fleet.stats import nearest_rank
 
 SETTINGS = Settings(instance_ttl_ms=600_000, heartbeat_interval_ms=1_000, redis_timeout_ms=2_000)
@@ -82,9 +83,8 @@ def run_case(url: str, instances: int, nodes: int, decisions: int, max_age: int)
             )
         calls = evalsha_calls(client) - before
     finally:
-        for key in client.scan_iter(match=f"{SETTINGS.key_prefix}:{{{pool}}}:*"):
-            client.delete(key)
         client.close()
+        delete_pool(url, pool, SETTINGS.key_prefix)
     decide = [x for r in results for x in r["decide"]]
     ping = [x for r in results for x in r["ping"]]
     return {

@@ -29,6 +29,7 @@ from bench.pool import register_idle_pool
 from coordinator import Coordinator, Settings
 from coordinator.strategies import RoundRobin, eligible, least_load
 from local_fleet.embedded import EmbeddedRedis
+from local_fleet.pools import delete_pool
 
 STRATEGIES = ("least_load", "power_of_two", "round_robin", "local_least_inflight")
 SETTINGS = Settings(instance_ttl_ms=600_000, redis_timeout_ms=5_000)
@@ -93,21 +94,10 @@ def trial(url: str, strategy: str, nodes: int, burst: int, instances: int, n: in
                 _node, [(url, pool, f"n{k}", burst, strategy, barrier) for k in range(nodes)]
             )
     finally:
-        _cleanup(url, pool)
+        delete_pool(url, pool, SETTINGS.key_prefix)
     counts = Counter(p for node_picks in picks for p in node_picks)
     per_instance = [counts.get(f"inst-{i:04d}", 0) for i in range(instances)]
     return max(per_instance) - min(per_instance)
-
-
-def _cleanup(url: str, pool: str) -> None:
-    from redis import Redis
-
-    client = Redis.from_url(url)
-    try:
-        for key in client.scan_iter(match=f"{SETTINGS.key_prefix}:{{{pool}}}:*"):
-            client.delete(key)
-    finally:
-        client.close()
 
 
 def measure(url: str, nodes: int, burst: int, instances: int, trials: int) -> dict[str, list[int]]:

@@ -59,6 +59,7 @@ from bench.sim.traces import (
 from coordinator.settings import STRATEGIES, Settings, Weights
 from coordinator.tokens import CHARS_PER_TOKEN
 from local_fleet.engine_model import EngineTiming
+from local_fleet.pools import delete_pool
 from local_fleet.stats import percentile
 
 OUTPUT_TOKENS_HEADER = "X-Mock-Output-Tokens"  # local_fleet.mock_engine honours it
@@ -541,20 +542,6 @@ def _natural(text: str) -> tuple[str, int]:
 # Clusters.
 
 
-def _delete_pool(redis_url: str, pool: str) -> None:
-    """Delete exactly one pool's keys on a server we do not own."""
-    from redis import Redis
-
-    from coordinator.keys import PoolKeys
-
-    client = Redis.from_url(redis_url)
-    try:
-        for key in client.scan_iter(match=PoolKeys(Settings().key_prefix, pool).pattern()):
-            client.delete(key)
-    finally:
-        client.close()
-
-
 def run_strategy(
     requests: Sequence[TraceRequest],
     strategy: str,
@@ -608,7 +595,7 @@ def run_strategy(
             cluster.stop()
         if config.redis_url is not None:
             with contextlib.suppress(Exception):  # clean-up only: the run's result stands
-                _delete_pool(config.redis_url, pool)
+                delete_pool(config.redis_url, pool)
     result = summarize(strategy, requests, outcomes, config.rate)
     if progress is not None:
         progress(

@@ -34,6 +34,7 @@ from redis import Redis as SyncRedis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.docs import add_write_docs, write_section
 from local_fleet.embedded import EmbeddedRedis, free_port
+from local_fleet.pools import delete_pool
 
 CHUNKS = 4  # SSE chunks per answer; TTFT is the first one
 TIMING = {"prefill_ms_per_token": 0.001, "prefill_overhead_ms": 0.1, "decode_ms_per_token": 0.01}
@@ -212,10 +213,8 @@ def run(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        keys = list(redis.scan_iter(match=f"lc:{{{pool}}}:*", count=500))
-        if keys:
-            redis.delete(*keys)
         redis.close()
+        delete_pool(redis_url, pool, "lc")
 
 
 async def measure(

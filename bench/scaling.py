@@ -37,6 +37,7 @@ from coordinator import Coordinator, InstanceSpec, Settings  # noqa: E402
 from coordinator.keys import PoolKeys  # noqa: E402
 from coordinator.scripts import Scripts  # noqa: E402
 from local_fleet.embedded import EmbeddedRedis  # noqa: E402
+from local_fleet.pools import delete_pool  # noqa: E402
 
 DOC = ROOT / "docs" / "scaling.md"
 SETTINGS = Settings(instance_ttl_ms=600_000, heartbeat_interval_ms=1_000, redis_timeout_ms=5_000)
@@ -110,14 +111,6 @@ async def register_pool(url: str, pool: str, instances: int, hints: bool = False
                 f"inst-{i:05d}", {"engine_running": 12, "engine_waiting": 3, "queue_depth": 0}
             )
     await c.close()
-
-
-def delete_pool(url: str, pool: str) -> None:
-    """Delete one pool's keys (the private server holds nothing else we care about)."""
-    client = SyncRedis.from_url(url)
-    for key in client.scan_iter(match=PoolKeys("lc", pool).pattern(), count=1000):
-        client.delete(key)
-    client.close()
 
 
 # --------------------------------------------------------------------------- 1. rows
@@ -199,7 +192,7 @@ def measure_rows(url: str, quick: bool) -> dict[str, Any]:
         pool = f"rows-{int(hints)}"
         asyncio.run(register_pool(url, pool, 1024, hints=hints))
         costs = asyncio.run(_delta_costs(url, pool, 1024, 2000 if quick else 20000))
-        delete_pool(url, pool)
+        delete_pool(url, pool, SETTINGS.key_prefix)
         base, per_row = fit([c.rows for c in costs], [c.usec_per_call for c in costs])
         b0, b_row = fit([c.rows for c in costs], [c.bytes_per_reply for c in costs])
         out["hints" if hints else "plain"] = {
@@ -307,7 +300,7 @@ def measure_cycles(url: str, quick: bool) -> list[dict[str, Any]]:
                 f"{result['rows_per_call']:.1f} rows/call",
                 flush=True,
             )
-        delete_pool(url, pool)
+        delete_pool(url, pool, SETTINGS.key_prefix)
     return out
 
 
@@ -389,7 +382,7 @@ def measure_shard(url: str, quick: bool) -> list[dict[str, Any]]:
             flush=True,
         )
     sync.close()
-    delete_pool(url, pool)
+    delete_pool(url, pool, SETTINGS.key_prefix)
     return out
 
 

@@ -34,9 +34,9 @@ from redis.exceptions import RedisError
 
 from coordinator.connection import close_redis, connect_redis, redact
 from coordinator.errors import CoordinatorError
-from coordinator.keys import PoolKeys
 from coordinator.settings import Settings
 from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError, die_with_parent
+from local_fleet.pools import delete_pool
 
 # Below Linux's ephemeral range (32768+), where outgoing connections take ports.
 PORT_RANGE = (20_000, 32_000)
@@ -364,20 +364,7 @@ class LocalCluster:
     def delete_pool(self) -> int:
         """Delete every key of this cluster's pool (and nothing else); returns how many."""
         assert self.redis_url is not None
-        keys = PoolKeys(Settings.from_env().key_prefix, self.pool)
-
-        async def delete() -> int:
-            timeout = replace(Settings(), redis_timeout_ms=REDIS_CHECK_TIMEOUT_MS)
-            client = connect_redis(self.redis_url or "", timeout)
-            try:
-                found = [key async for key in client.scan_iter(match=keys.pattern(), count=500)]
-                for key in found:  # one by one: a Redis Cluster refuses multi-key DEL
-                    await client.delete(key)
-                return len(found)
-            finally:
-                await close_redis(client)
-
-        return asyncio.run(delete())
+        return delete_pool(self.redis_url, self.pool)
 
     def server_line(self) -> str:
         """Which Redis the cluster uses: the URL, and for a private one its binary."""
