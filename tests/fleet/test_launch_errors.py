@@ -50,13 +50,13 @@ class _Squatter(BaseHTTPRequestHandler):
     status = 200
 
     def _answer(self) -> None:
+        self.server.hits += 1  # type: ignore[attr-defined]  # counted before the client hears
         body = json.dumps({"instances": [{"id": f"x{i}", "alive": True} for i in range(8)]})
         self.send_response(self.status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body.encode())
-        self.server.hits += 1  # type: ignore[attr-defined]
 
     do_GET = _answer
     do_POST = _answer
