@@ -249,6 +249,9 @@ class LocalCluster:
             if self.quiet:
                 self._logs = tempfile.TemporaryDirectory(prefix="coordinator-cluster-")
             python = [sys.executable, "-m"]
+            # Logged children keep warnings and errors only: a long-lived cluster's
+            # per-request access lines would grow the log files without end.
+            quiet = ["--log-level", "WARNING"] if self._logs is not None else []
             auth = ["--token", self.token] if self.token else []
             for k in range(self.nodes):
                 child = Child(
@@ -256,6 +259,7 @@ class LocalCluster:
                     [
                         *python,
                         "proxy_node",
+                        *quiet,
                         "--redis-url",
                         self.redis_url,
                         "--pool",
@@ -284,6 +288,7 @@ class LocalCluster:
                     [
                         *python,
                         "local_fleet.mock_engine",
+                        *quiet,
                         "--port",
                         str(self.engine_port(j)),
                         "--speed",
