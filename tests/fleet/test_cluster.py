@@ -203,3 +203,38 @@ def test_demo_runs_prints_its_table_and_leaves_no_key(redis_url: str) -> None:
     finally:
         client.delete(other)
         client.close()
+
+
+def test_cluster_exits_1_with_the_childs_last_line_when_a_child_dies() -> None:
+    base = free_port_block(1, 1)
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    argv = ["cluster", "--nodes", "1", "--engines", "1", "--base-port", str(base)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator_cli.main", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "cluster is up" in line:
+                break
+        assert any("cluster is up" in line for line in lines), "".join(lines)
+        engine = next(
+            pid
+            for pid in _children(proc.pid)
+            if b"local_fleet.mock_engine" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        )
+        os.kill(engine, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, err
+    assert "engine-0 exited with code -9; stopping" in err
+    assert "stopped." in out
