@@ -403,8 +403,8 @@ class LocalCluster:
         return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `coordinator cluster`."""
+def add_fleet_arguments(parser: argparse.ArgumentParser, base_port: int) -> None:
+    """The cluster's shape: --nodes, --engines, --redis-url, --base-port and --speed."""
     parser.add_argument("--nodes", type=int, default=3, help="proxy nodes to start")
     parser.add_argument("--engines", type=int, default=4, help="mock engines to start")
     parser.add_argument(
@@ -415,10 +415,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--base-port",
         type=int,
-        default=8001,
+        default=base_port,
         help="node k serves on base+2k, its control plane on base+2k+1; engine j on base+100+j",
     )
     parser.add_argument("--speed", type=float, default=1.0, help="mock engines run S times faster")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `coordinator cluster`."""
+    add_fleet_arguments(parser, base_port=8001)
     parser.add_argument("--pool", default="demo", help="pool name")
     parser.add_argument("--token", default=None, help="control-plane bearer token for all nodes")
     parser.add_argument(

@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from coordinator.connection import redact
 from coordinator.errors import CoordinatorError
-from local_fleet.cluster import LocalCluster
+from local_fleet.cluster import LocalCluster, add_fleet_arguments
 from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError, find_server_binary
 from local_fleet.stats import nearest_rank
 
@@ -261,12 +261,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--duration", type=float, default=30.0, help="seconds of load (at most 600)"
     )
-    parser.add_argument("--nodes", type=int, default=3, help="proxy nodes")
-    parser.add_argument("--engines", type=int, default=4, help="mock engines")
+    add_fleet_arguments(parser, base_port=18001)
     parser.add_argument("--base-rps", type=float, default=6.0, help="arrival rate between bursts")
     parser.add_argument("--burst-rps", type=float, default=30.0, help="arrival rate in bursts")
-    parser.add_argument("--speed", type=float, default=1.0, help="mock engine speed-up")
-    parser.add_argument("--base-port", type=int, default=18001, help="first port (see cluster)")
     parser.add_argument("--seed", type=int, default=7, help="workload seed")
     parser.add_argument(
         "--targets",
@@ -278,11 +275,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--control",
         default=os.environ.get("DEMO_CONTROL"),
         help="control-plane URL sampled for pressure with --targets (env DEMO_CONTROL)",
-    )
-    parser.add_argument(
-        "--redis-url",
-        default=os.environ.get("REDIS_URL"),
-        help="external Redis (env REDIS_URL); default: a private embedded one",
     )
 
 
