@@ -16,7 +16,9 @@ HEADER = (
     "# Benchmarks\n\n"
     "Every section below is written by a script in `bench/`; the command that "
     "regenerates it is given with it. Machine: 2 cores, shared and noisy, so the "
-    "tables report medians and ratios measured side by side in one run.\n"
+    "tables report medians and ratios measured side by side in one run. Trace runs "
+    "name the trace file they read; the README's Benchmarks section says where the "
+    "public traces come from.\n"
 )
 
 
