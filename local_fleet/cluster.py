@@ -5,8 +5,9 @@ checks that every port it will use is free and that a given Redis answers. It th
 waits for each child to be ready (by polling its health endpoint, with a deadline),
 prints how to reach everything, and on Ctrl-C or SIGTERM stops engines, then nodes,
 then Redis, leaving no process or temporary directory behind. Children also get
-SIGTERM if the launcher dies. A child that fails at start-up is reported with its
-own last output line (each child's output goes to a log file while it starts).
+SIGTERM if the launcher dies. A child that fails, at start-up or later, is reported
+with its own last output line: each child writes its warnings and errors to a file
+in a temporary directory, removed with the cluster.
 """
 
 from __future__ import annotations
