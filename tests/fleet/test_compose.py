@@ -23,9 +23,8 @@ PROJECT_SERVICES = {name: s for name, s in SERVICES.items() if name != "redis"}
 def known_environment() -> set[str]:
     """Every variable the code reads: coordinator knobs, node flags, mock engine, demo."""
     names = {f"COORD_{f.name.upper()}" for f in fields(Settings)}
-    sources = [
-        p for d in ("coordinator", "proxy_node", "local_fleet") for p in ROOT.glob(f"{d}/**/*.py")
-    ]
+    sources = [*ROOT.glob("proxy_node/*.py"), *ROOT.glob("coordinator/*.py")]
+    sources += [*ROOT.glob("local_fleet/**/*.py"), *ROOT.glob("bench/**/*.py")]
     for source in sources:
         names.update(
             re.findall(r"[\"'](COORD_[A-Z_]+|DEMO_[A-Z_]+|REDIS_URL)[\"']", source.read_text())
