@@ -47,6 +47,15 @@ def render(values: Mapping[str, Any] | None = None) -> list[Obj]:
     return objects
 
 
+def notes(values: Mapping[str, Any] | None = None) -> str:
+    """The NOTES.txt `helm install` prints."""
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests: dict[str, str] = chart.render(
+            dict(values or {}), name=RELEASE, namespace=NAMESPACE, is_install=True
+        )
+    return next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+
+
 def render_file(path: Path) -> list[Obj]:
     """Render with one of the chart's ci/ values files."""
     return render(values_of(path))

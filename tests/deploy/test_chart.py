@@ -5,16 +5,20 @@ routes, drain timing)."""
 from __future__ import annotations
 
 import argparse
+import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from coordinator.connection import _split_multi
-from coordinator.settings import Settings
+from coordinator.keys import POOL_NAME_RE
+from coordinator.settings import STRATEGIES, Settings
 from proxy_node import serve, state
 from proxy_node.app import create_app, create_control_app
 from proxy_node.config import NodeConfig
+from proxy_node.entry import LOG_LEVELS
 from tests.cross_check import NODE_HOMES, environment_read_by, parse_command
 from tests.deploy.chart import (
     CHART,
@@ -28,6 +32,7 @@ from tests.deploy.chart import (
     helm,
     node_container,
     node_deployment,
+    notes,
     one,
     render,
     render_file,
@@ -74,6 +79,24 @@ def test_helm_lint_is_clean(values_file: Path) -> None:
     )
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []  # 2 = warning
+
+
+def test_values_schema_agrees_with_the_code() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    node = schema["properties"]["node"]["properties"]
+    assert tuple(node["strategy"]["enum"]) == STRATEGIES
+    assert tuple(node["logLevel"]["enum"]) == LOG_LEVELS
+    assert node["pool"]["pattern"] == POOL_NAME_RE.pattern
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{"replicas": 3}, {"redis": {"mode": "sentinal"}}, {"node": {"strategy": "fastest"}}],
+    ids=["typo", "bad-mode", "bad-strategy"],
+)
+def test_values_outside_the_schema_are_refused(values: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmValuesError):
+        render({"redis": {"host": "r"}} | values)
 
 
 def test_a_broken_object_fails_the_validation() -> None:
@@ -312,6 +335,24 @@ def test_min_replicas_above_max_fails_to_render() -> None:
                 "autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2},
             }
         )
+
+
+def test_the_install_notes_name_real_services_and_routes() -> None:
+    values = {"bundledRedis": {"enabled": True}}
+    objects = render(values)
+    text = notes(values)
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    service_app = create_app(NodeConfig())
+    routes = {"8001": _routes(service_app), "8002": _routes(create_control_app(service_app))}
+    urls = re.findall(r"http://([\w.-]+):(\d+)(/[\w/]*)", text)
+    assert len(urls) == 3, text
+    for host, port, path in urls:
+        if host != "127.0.0.1":  # <service>.<namespace>.svc
+            name, namespace, _ = host.split(".")
+            assert namespace == NAMESPACE and name in services, host
+            assert [p["port"] for p in services[name]["spec"]["ports"]] == [int(port)]
+        assert path in routes[port], (port, path)
+    assert "bundled Redis" in text
 
 
 # ------------------------------------------------------------ probes and drain
