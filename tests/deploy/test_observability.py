@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import yaml
 
 from coordinator import Coordinator
 from coordinator.strategies import eligible, score_rows
 from proxy_node.metrics import NodeMetrics
-from tests.deploy.chart import ROOT, VALUES_FILES, one, render_file
+from tests.deploy.chart import CHART, ROOT, VALUES_FILES, one, render_file
 from tests.deploy.promql import exported_series, from_grafana, names_in, problems
 from tests.helpers import spec
 
@@ -137,3 +138,32 @@ def test_alert_rules_name_only_exported_metrics_and_labels(
     assert {"LLMCoordinatorNodeDegraded", "LLMCoordinatorPoolFull"} <= {a for a, _ in rules}
     found = {f"{alert}: {p}" for alert, expr in rules for p in problems(expr, exported)}
     assert not found, sorted(found)
+
+
+def test_outcome_values_in_alert_rules_are_ones_the_node_sets() -> None:
+    source = (ROOT / "proxy_node" / "forwarding.py").read_text()
+    values = {
+        value for _, expr in rule_expressions() for value in re.findall(r'outcome="([^"]+)"', expr)
+    }
+    assert values, "no rule filters on an outcome"
+    for value in values:
+        assert f'"{value}"' in source, f"no request ends with outcome {value!r}"
+
+
+def test_the_documented_adapter_rule_names_exported_metrics(
+    exported: dict[str, frozenset[str]],
+) -> None:
+    """docs/deploy.md's prometheus-adapter rule, with the adapter's template filled in."""
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", doc, re.S) if "metricsQuery" in b]
+    (rule,) = yaml.safe_load(block)["rules"]["external"]
+    series = rule["seriesQuery"]
+    assert not list(problems(series, exported)), series
+    metric = names_in(series).metrics[0]
+    query = rule["metricsQuery"].replace("<<.Series>>", metric)
+    query = query.replace("<<.LabelMatchers>>", 'namespace="inference",pool="chat"')
+    assert not list(problems(query, exported)), query
+    # The HPA selects the adapter's metric by pool, and divides it by the node count.
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert rule["name"]["as"] == defaults["autoscaling"]["inflightPerNode"]["metricName"]
+    assert "pool" in names_in(query).grouping
