@@ -24,10 +24,11 @@ from typing import Any
 
 from redis import Redis as SyncRedis
 
-from bench.docs import checkout_root, write_section
+from bench.docs import add_write_docs, checkout_root, write_section
 from bench.pool import register_idle_pool
 from coordinator import Coordinator, Settings
 from local_fleet.embedded import EmbeddedRedis
+from local_fleet.pools import delete_pool
 from local_fleet.stats import nearest_rank
 
 SETTINGS = Settings(instance_ttl_ms=600_000, heartbeat_interval_ms=1_000, redis_timeout_ms=2_000)
@@ -82,9 +83,8 @@ def run_case(url: str, instances: int, nodes: int, decisions: int, max_age: int)
             )
         calls = evalsha_calls(client) - before
     finally:
-        for key in client.scan_iter(match=f"{SETTINGS.key_prefix}:{{{pool}}}:*"):
-            client.delete(key)
         client.close()
+        delete_pool(url, pool, SETTINGS.key_prefix)
     decide = [x for r in results for x in r["decide"]]
     ping = [x for r in results for x in r["ping"]]
     return {
@@ -117,7 +117,7 @@ def render(rows: list[dict[str, Any]], decisions: int, server: str, command: str
     lines = [
         "## Decision overhead (snapshot + score + reserve)",
         "",
-        f"`{command}` — "
+        f"`{command} --write-docs` — "
         f"{decisions} decisions per node per case, each node its own process, {server}. "
         "`max_age` is `snapshot_max_age_ms`: 25 (default) reuses the delta piggybacked on "
         "the node's previous script reply when it is younger than 25 ms; 0 reads the "
@@ -181,12 +181,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="use this server instead of a private one")
     parser.add_argument("--decisions", type=int, default=1500, help="per node and case")
     parser.add_argument("--quick", action="store_true", help="300 decisions per node")
-    parser.add_argument("--no-write", action="store_true", help="print only")
+    add_write_docs(parser, "docs/benchmarks.md and docs/img/")
     parser.set_defaults(overhead_command=COMMAND)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the grid, print the table, write docs/benchmarks.md and the plot."""
+    """Run the grid, print the table; with --write-docs, write docs/benchmarks.md and the plot."""
     decisions = 300 if args.quick else args.decisions
     if decisions < 1:
         print("error: --decisions must be >= 1", file=sys.stderr)
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         args.overhead_command,
     )
     print(table)
-    if not args.no_write:
+    if args.write_docs:
         write_section("decision", table)
         plot(rows)
     return 0

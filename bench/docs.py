@@ -6,6 +6,7 @@ Every benchmark prints its tables; writing them into the checkout's docs is opt-
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -15,8 +16,20 @@ HEADER = (
     "# Benchmarks\n\n"
     "Every section below is written by a script in `bench/`; the command that "
     "regenerates it is given with it. Machine: 2 cores, shared and noisy, so the "
-    "tables report medians and ratios measured side by side in one run.\n"
+    "tables report medians and ratios measured side by side in one run. Trace runs "
+    "name the trace file they read; the README's Benchmarks section says where the "
+    "public traces come from.\n"
 )
+
+
+def add_write_docs(parser: argparse.ArgumentParser, doc: str = "docs/benchmarks.md") -> None:
+    """The `--write-docs` flag: results go into the checkout's docs only when asked."""
+    parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help=f"also write the result into {doc} of this source checkout; without it the "
+        "result is only printed (default: %(default)s)",
+    )
 
 
 def checkout_root() -> Path | None:

@@ -24,11 +24,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from bench.docs import write_section
+from bench.docs import add_write_docs, write_section
 from bench.pool import register_idle_pool
 from coordinator import Coordinator, Settings
 from coordinator.strategies import RoundRobin, eligible, least_load
 from local_fleet.embedded import EmbeddedRedis
+from local_fleet.pools import delete_pool
 
 STRATEGIES = ("least_load", "power_of_two", "round_robin", "local_least_inflight")
 SETTINGS = Settings(instance_ttl_ms=600_000, redis_timeout_ms=5_000)
@@ -93,21 +94,10 @@ def trial(url: str, strategy: str, nodes: int, burst: int, instances: int, n: in
                 _node, [(url, pool, f"n{k}", burst, strategy, barrier) for k in range(nodes)]
             )
     finally:
-        _cleanup(url, pool)
+        delete_pool(url, pool, SETTINGS.key_prefix)
     counts = Counter(p for node_picks in picks for p in node_picks)
     per_instance = [counts.get(f"inst-{i:04d}", 0) for i in range(instances)]
     return max(per_instance) - min(per_instance)
-
-
-def _cleanup(url: str, pool: str) -> None:
-    from redis import Redis
-
-    client = Redis.from_url(url)
-    try:
-        for key in client.scan_iter(match=f"{SETTINGS.key_prefix}:{{{pool}}}:*"):
-            client.delete(key)
-    finally:
-        client.close()
 
 
 def measure(url: str, nodes: int, burst: int, instances: int, trials: int) -> dict[str, list[int]]:
@@ -133,7 +123,7 @@ def render(
     lines = [
         "## Herding (simultaneous bursts onto idle, identical instances)",
         "",
-        f"`{command} --nodes {nodes} --burst {burst} "
+        f"`{command} --write-docs --nodes {nodes} --burst {burst} "
         f"--instances {instances} --trials {trials}` — each node its own process, "
         "released from one barrier. Ideal: max - min <= 1.",
         "",
@@ -151,12 +141,32 @@ def render(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `bench herding` (and of bench/herding.py)."""
-    parser.add_argument("--redis-url", help="use this server instead of a private one")
-    parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--burst", type=int, default=8, help="requests per node per burst")
-    parser.add_argument("--instances", type=int, default=16)
-    parser.add_argument("--trials", type=int, default=10)
-    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument(
+        "--redis-url",
+        help="use this server (default: %(default)s, a private embedded server)",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=4,
+        help="node processes bursting at once (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--burst", type=int, default=8, help="requests per node per burst (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--instances",
+        type=int,
+        default=16,
+        help="idle, identical instances in the pool (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--trials",
+        type=int,
+        default=10,
+        help="bursts per strategy; the table reports mean and worst (default: %(default)s)",
+    )
+    add_write_docs(parser)
     parser.set_defaults(herding_command=COMMAND)
 
 
@@ -176,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         spreads, args.nodes, args.burst, args.instances, args.trials, args.herding_command
     )
     print(table)
-    if not args.no_write:
+    if args.write_docs:
         write_section("herding", table)
     return 0
 

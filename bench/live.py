@@ -46,18 +46,20 @@ from typing import Any
 
 import aiohttp
 
-from bench.sim.cli import strategy_list
+from bench.sim.cli import add_workload_arguments, strategy_list
+from bench.sim.report import json_ready
 from bench.sim.simulator import SimConfig, StrategyResult, compare
+from bench.sim.synthetic import load_requests, workload_name
 from bench.sim.traces import (
     TraceError,
     TraceRequest,
-    load_trace,
     offered_load,
     scale_to_utilization,
 )
 from coordinator.settings import STRATEGIES, Settings, Weights
 from coordinator.tokens import CHARS_PER_TOKEN
 from local_fleet.engine_model import EngineTiming
+from local_fleet.pools import delete_pool
 from local_fleet.stats import percentile
 
 OUTPUT_TOKENS_HEADER = "X-Mock-Output-Tokens"  # local_fleet.mock_engine honours it
@@ -267,7 +269,7 @@ class Comparison:
 class LiveRun:
     """One trace slice, one fleet, several strategies, live and simulated."""
 
-    trace: str
+    trace: str | None  # None: the built-in synthetic workload
     offset: int
     limit: int
     utilization: float | None  # None = replayed as recorded
@@ -311,19 +313,8 @@ class LiveRun:
             ],
             "runtime_s": self.runtime_s,
         }
-        finite: dict[str, Any] = _finite(out)
+        finite: dict[str, Any] = json_ready(out)
         return finite
-
-
-def _finite(value: Any) -> Any:
-    """NaN (a metric with no sample) becomes None: JSON has no NaN."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
 
 
 # ---------------------------------------------------------------------------
@@ -331,19 +322,22 @@ def _finite(value: Any) -> Any:
 
 
 def load_slice(
-    path: str | Path,
+    path: str | Path | None,
     offset: int,
     limit: int,
     utilization: float | None,
     instances: int,
     timing: EngineTiming | None = None,
+    seed: int = 0,
 ) -> list[TraceRequest]:
-    """Requests offset..offset+limit of a trace, re-based to 0, scaled like the sim does."""
+    """Requests offset..offset+limit of a trace (None: the synthetic workload from
+    `seed`), re-based to 0, scaled like the sim does."""
+    source = path or "the synthetic workload"
     if offset < 0 or limit < 1:
-        raise TraceError(f"{path}: need offset >= 0 and limit >= 1")
-    rows = load_trace(path, offset + limit)[offset:]
+        raise TraceError(f"{source}: need offset >= 0 and limit >= 1")
+    rows = load_requests(path, offset + limit, seed)[offset:]
     if not rows:
-        raise TraceError(f"{path}: no requests after offset {offset}")
+        raise TraceError(f"{source}: no requests after offset {offset}")
     first = rows[0].arrival_ms
     rows = [replace(r, index=i, arrival_ms=r.arrival_ms - first) for i, r in enumerate(rows)]
     if utilization is not None:
@@ -548,20 +542,6 @@ def _natural(text: str) -> tuple[str, int]:
 # Clusters.
 
 
-def _delete_pool(redis_url: str, pool: str) -> None:
-    """Delete exactly one pool's keys on a server we do not own."""
-    from redis import Redis
-
-    from coordinator.keys import PoolKeys
-
-    client = Redis.from_url(redis_url)
-    try:
-        for key in client.scan_iter(match=PoolKeys(Settings().key_prefix, pool).pattern()):
-            client.delete(key)
-    finally:
-        client.close()
-
-
 def run_strategy(
     requests: Sequence[TraceRequest],
     strategy: str,
@@ -615,7 +595,7 @@ def run_strategy(
             cluster.stop()
         if config.redis_url is not None:
             with contextlib.suppress(Exception):  # clean-up only: the run's result stands
-                _delete_pool(config.redis_url, pool)
+                delete_pool(config.redis_url, pool)
     result = summarize(strategy, requests, outcomes, config.rate)
     if progress is not None:
         progress(
@@ -627,7 +607,7 @@ def run_strategy(
 
 
 def run_live(
-    trace: str | Path,
+    trace: str | Path | None,
     *,
     offset: int = 0,
     limit: int = 400,
@@ -640,7 +620,9 @@ def run_live(
     config = config or LiveConfig()
     started = time.monotonic()
     timing = EngineTiming()  # what LocalCluster's mock engines and the sim both run
-    requests = load_slice(trace, offset, limit, utilization, config.instances, timing)
+    requests = load_slice(
+        trace, offset, limit, utilization, config.instances, timing, seed=config.seed
+    )
     if config.speed is None:
         config = replace(config, speed=auto_speed(requests))
         if progress is not None:
@@ -661,7 +643,7 @@ def run_live(
         live = run_strategy(requests, strategy, config, progress)
         comparisons.append(Comparison(live, sim, config.rate))
     return LiveRun(
-        trace=str(trace),
+        trace=None if trace is None else str(trace),
         offset=offset,
         limit=limit,
         utilization=utilization,
@@ -688,7 +670,7 @@ def describe(run: LiveRun) -> str:
     n = run.comparisons[0].live.requests if run.comparisons else 0
     util = "as recorded" if run.utilization is None else f"{run.utilization:g}"
     return (
-        f"{n} requests of `{Path(run.trace).name}` (from request {run.offset}), "
+        f"{n} requests of {workload_name(run.trace, c.seed)} (from request {run.offset}), "
         f"utilization {util} (offered {run.offered:.3f}, arrivals over "
         f"{run.span_ms / 1000:,.1f} s of engine time), {c.instances} mock engines, "
         f"{c.nodes} proxy nodes, speed {c.rate:g} "
@@ -776,15 +758,9 @@ def _speed(text: str) -> float | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `bench live`."""
     d = LiveConfig()
-    parser.add_argument("--trace", required=True, help="trace file: Azure CSV or JSONL")
+    add_workload_arguments(parser)
     parser.add_argument("--limit", type=int, default=400, help="requests replayed")
     parser.add_argument("--offset", type=int, default=0, help="skip this many requests first")
-    parser.add_argument(
-        "--utilization",
-        type=float,
-        default=0.8,
-        help="scale arrivals to this offered load, as `bench sim` does (0 = as recorded)",
-    )
     parser.add_argument("--instances", type=int, default=d.instances, help="mock engines")
     parser.add_argument("--nodes", type=int, default=d.nodes, help="proxy nodes")
     parser.add_argument(
@@ -814,7 +790,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="LocalCluster base port (nodes base+2k, engines base+100+j); default: a free block",
     )
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the sim")
+    parser.add_argument(
+        "--seed", type=int, default=d.seed, help="seed of the sim and of the synthetic workload"
+    )
     parser.add_argument(
         "--request-timeout-s",
         type=float,
@@ -828,7 +806,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def command(args: argparse.Namespace, speed: float | None = None) -> list[str]:
     """The command line that reproduces a run (defaults left out, the speed pinned)."""
     d = LiveConfig()
-    cmd = ["coordinator", "bench", "live", "--trace", str(args.trace)]
+    cmd = ["coordinator", "bench", "live"]
+    if args.trace is not None:
+        cmd += ["--trace", str(args.trace)]
     if args.limit != 400:
         cmd += ["--limit", str(args.limit)]
     if args.offset:

@@ -4,8 +4,8 @@ For each trace, `coordinator bench live` starts one real local cluster per strat
 (Redis, proxy nodes, mock engines), replays the same slice the simulator gets and
 prints both side by side. A full run takes about 5 minutes on 2 cores.
 
-    python bench/live_report.py
-    python bench/live_report.py --limit 200 --no-write     # a quicker look
+    python bench/live_report.py --write-docs
+    python bench/live_report.py --limit 200                # a quicker look (print only)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench.docs import write_section
+from bench.docs import add_write_docs, write_section
 from bench.live import AGREEMENT, LiveConfig, LiveRun, markdown, run_live
 from coordinator.settings import STRATEGIES
 
@@ -66,7 +66,7 @@ def main() -> int:
     parser.add_argument("--instances", type=int, default=4)
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--speed", type=float, default=None, help="default: auto per trace")
-    parser.add_argument("--no-write", action="store_true", help="print only")
+    add_write_docs(parser)
     args = parser.parse_args()
     started = time.monotonic()
     sections = []
@@ -108,11 +108,12 @@ def main() -> int:
             "The lateness column is the check: it should stay far below the TTFTs divided "
             "by the speed. Spikes in it come from other processes on the shared machine.",
             *sections,
-            f"Regenerate both: `python bench/live_report.py{defaults}` (this run: {total:.0f} s).",
+            f"Regenerate both: `python bench/live_report.py --write-docs{defaults}` "
+            f"(this run: {total:.0f} s).",
         ]
     )
     print(text)
-    if not args.no_write:
+    if args.write_docs:
         write_section("live", text)
     return 0
 

@@ -2,13 +2,13 @@
 
 Every number comes from a private server started here (EmbeddedRedis: redis-server on
 PATH, else the bundled valkey-server) and from local Sentinel topologies
-(tests/topologies.py). Server cost is read from the server itself: INFO commandstats
+(local_fleet/topologies.py). Server cost is read from the server itself: INFO commandstats
 (usec spent in EVALSHA) and INFO cpu (user+sys CPU of the whole server process,
-networking included). The script prints its tables and writes docs/scaling.md.
+networking included). The script prints its tables; with --write-docs it also
+writes docs/scaling.md.
 
-    python bench/scaling.py              # about 3 minutes on 2 cores
-    python bench/scaling.py --quick      # a smoke run (smaller samples)
-    python bench/scaling.py --no-write   # print only
+    python bench/scaling.py --write-docs   # about 3 minutes on 2 cores
+    python bench/scaling.py --quick        # a smoke run (smaller samples), print only
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ from redis.asyncio import Redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.docs import add_write_docs  # noqa: E402
 from coordinator import Coordinator, InstanceSpec, Settings  # noqa: E402
 from coordinator.keys import PoolKeys  # noqa: E402
 from coordinator.scripts import Scripts  # noqa: E402
 from local_fleet.embedded import EmbeddedRedis  # noqa: E402
+from local_fleet.pools import delete_pool  # noqa: E402
 
 DOC = ROOT / "docs" / "scaling.md"
 SETTINGS = Settings(instance_ttl_ms=600_000, heartbeat_interval_ms=1_000, redis_timeout_ms=5_000)
@@ -109,14 +111,6 @@ async def register_pool(url: str, pool: str, instances: int, hints: bool = False
                 f"inst-{i:05d}", {"engine_running": 12, "engine_waiting": 3, "queue_depth": 0}
             )
     await c.close()
-
-
-def delete_pool(url: str, pool: str) -> None:
-    """Delete one pool's keys (the private server holds nothing else we care about)."""
-    client = SyncRedis.from_url(url)
-    for key in client.scan_iter(match=PoolKeys("lc", pool).pattern(), count=1000):
-        client.delete(key)
-    client.close()
 
 
 # --------------------------------------------------------------------------- 1. rows
@@ -198,7 +192,7 @@ def measure_rows(url: str, quick: bool) -> dict[str, Any]:
         pool = f"rows-{int(hints)}"
         asyncio.run(register_pool(url, pool, 1024, hints=hints))
         costs = asyncio.run(_delta_costs(url, pool, 1024, 2000 if quick else 20000))
-        delete_pool(url, pool)
+        delete_pool(url, pool, SETTINGS.key_prefix)
         base, per_row = fit([c.rows for c in costs], [c.usec_per_call for c in costs])
         b0, b_row = fit([c.rows for c in costs], [c.bytes_per_reply for c in costs])
         out["hints" if hints else "plain"] = {
@@ -306,7 +300,7 @@ def measure_cycles(url: str, quick: bool) -> list[dict[str, Any]]:
                 f"{result['rows_per_call']:.1f} rows/call",
                 flush=True,
             )
-        delete_pool(url, pool)
+        delete_pool(url, pool, SETTINGS.key_prefix)
     return out
 
 
@@ -388,7 +382,7 @@ def measure_shard(url: str, quick: bool) -> list[dict[str, Any]]:
             flush=True,
         )
     sync.close()
-    delete_pool(url, pool)
+    delete_pool(url, pool, SETTINGS.key_prefix)
     return out
 
 
@@ -396,7 +390,7 @@ def measure_shard(url: str, quick: bool) -> list[dict[str, Any]]:
 
 
 async def _failover_trial() -> dict[str, float]:
-    from tests.topologies import LocalSentinel
+    from local_fleet.topologies import LocalSentinel
 
     topology = LocalSentinel(down_after_ms=1000, failover_timeout_ms=3000).start()
     settings = Settings(
@@ -562,7 +556,7 @@ def render(r: Results) -> str:
     lean = min(r.shard, key=lambda x: x["cpu_us_per_req"])
     busy = max(r.shard, key=lambda x: x["rows_per_call"])
     single, spread, grouped, proposed = r.estimate
-    command = "python bench/scaling.py" + (" --quick" if r.quick else "")
+    command = "python bench/scaling.py --write-docs" + (" --quick" if r.quick else "")
     out = [
         "# Scaling: shards, pools and failover",
         "",
@@ -797,12 +791,12 @@ def render(r: Results) -> str:
 
 
 def main() -> int:
-    """Run every section, print the tables, write docs/scaling.md."""
+    """Run every section, print the tables; with --write-docs, write docs/scaling.md."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="small samples, one failover")
-    parser.add_argument("--no-write", action="store_true", help="print only")
+    add_write_docs(parser, "docs/scaling.md")
     args = parser.parse_args()
     started = time.monotonic()
     load_before = os.getloadavg()[0]
@@ -846,7 +840,7 @@ def main() -> int:
     )
     doc = render(results)
     print(doc)
-    if not args.no_write:
+    if args.write_docs:
         DOC.parent.mkdir(parents=True, exist_ok=True)
         DOC.write_text(doc)
         print(f"wrote {DOC}")

@@ -1,11 +1,13 @@
-"""Run the simulator over both Azure traces and write the docs/benchmarks.md section.
+"""Run the simulator over both Azure traces and print the docs/benchmarks.md section.
 
-    python bench/sim_report.py [TRACE ...] [--limit 10000]
+    python bench/sim_report.py [TRACE ...] [--limit 10000] [--write-docs]
 
 For each trace: the strategy table at utilization 0.8, a few what-if runs of
-least_load, a TTFT CDF plot, and p99 TTFT against utilization. Only the text between
-`<!-- sim:start -->` and `<!-- sim:end -->` in docs/benchmarks.md is replaced. Plots
-go to docs/img/ (matplotlib, Agg; `pip install -e '.[bench]'`).
+least_load, a TTFT CDF plot, and p99 TTFT against utilization. With --write-docs,
+only the text between `<!-- sim:start -->` and `<!-- sim:end -->` in
+docs/benchmarks.md is replaced and the plots go to docs/img/ (matplotlib, Agg;
+`pip install -e '.[bench]'`); without it the section is printed and plots are drawn
+only into an --img folder named on the command line.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from bench.docs import add_write_docs, write_section
 from bench.sim.report import describe, markdown_table, markdown_targets, run_trace
 from bench.sim.simulator import STRATEGIES, SimConfig, StrategyResult, compare
 from bench.sim.traces import load_trace, scale_to_utilization
@@ -26,7 +29,6 @@ from coordinator.settings import Weights
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = [ROOT.parent / "shared" / "traces" / f"azure_llm_2023_{k}.csv" for k in ("code", "conv")]
-START, END = "<!-- sim:start -->", "<!-- sim:end -->"
 UTILIZATIONS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 TABLE_UTILIZATION = 0.8
 PROPOSED = "backlog_ms=0.05"  # the weight change the what-if rows try
@@ -212,44 +214,53 @@ def findings(
     return "\n".join(lines)
 
 
-def plot_cdf(results: Sequence[StrategyResult], title: str, path: Path) -> None:
+# A line plot: one (label, xs, ys, style) per line.
+Lines = list[tuple[str, list[float], list[float], str]]
+
+
+def _plot(lines: Lines, log_axis: str, labels: tuple[str, str], title: str, path: Path) -> None:
+    """One line plot, with a log `log_axis` ("x" or "y"), saved as a PNG at `path`."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
-        xs = sorted(r.ttft_ms)
-        ys = [(i + 1) / len(xs) for i in range(len(xs))]
-        ax.plot(xs, ys, label=r.strategy, linewidth=1.4)
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT (ms, log scale)")
-    ax.set_ylabel("fraction of requests")
+    for label, xs, ys, style in lines:
+        # Points are measured values on the utilization plot; a CDF is a dense line.
+        marker = "o" if log_axis == "y" else None
+        ax.plot(xs, ys, style, label=label, linewidth=1.4, marker=marker, markersize=3)
+    (ax.set_xscale if log_axis == "x" else ax.set_yscale)("log")
+    ax.set_xlabel(labels[0])
+    ax.set_ylabel(labels[1])
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_cdf(results: Sequence[StrategyResult], title: str, path: Path) -> None:
+    """TTFT CDF of every strategy, on a log time axis."""
+    lines: Lines = []
+    for r in results:
+        xs = sorted(r.ttft_ms)
+        lines.append((r.strategy, xs, [(i + 1) / len(xs) for i in range(len(xs))], "-"))
+    labels = ("TTFT (ms, log scale)", "fraction of requests")
+    _plot(lines, "x", labels, title, path)
 
 
 def plot_p99(curves: dict[float, list[StrategyResult]], title: str, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    """TTFT p99 of every strategy against offered utilization."""
     us = sorted(curves)
+    lines: Lines = []
     for r0 in curves[us[0]]:
         name = r0.strategy
         ys = [next(r.ttft_p99_ms for r in curves[u] if r.strategy == name) for u in us]
-        style = "--" if name == PROPOSED_LABEL else "-"
-        ax.plot(us, ys, style, marker="o", label=name, linewidth=1.4, markersize=3)
-    ax.set_yscale("log")
-    ax.set_xlabel("offered utilization (fraction of nominal fleet capacity)")
-    ax.set_ylabel("TTFT p99 (ms, log scale)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        lines.append((name, us, ys, "--" if name == PROPOSED_LABEL else "-"))
+    labels = (
+        "offered utilization (fraction of nominal fleet capacity)",
+        "TTFT p99 (ms, log scale)",
+    )
+    _plot(lines, "y", labels, title, path)
 
 
 def what_if_table(rows: list[tuple[str, str, StrategyResult]], base: list[StrategyResult]) -> str:
@@ -275,8 +286,7 @@ def section(args: argparse.Namespace, command: str, parts: list[str], seconds: f
         if args.limit
         else "every request of each trace"
     )
-    head = f"""{START}
-## Scheduling quality: discrete-event simulation
+    head = f"""## Scheduling quality: discrete-event simulation
 
 Generated by `{command}` in {seconds:.0f} s; it uses {limit_note}. Each table
 also names the `coordinator bench sim` command that reproduces it alone.
@@ -301,20 +311,7 @@ instances of the service assigned. Ratios in parentheses are to the oracle, one
 central dispatcher that knows every engine's exact state and sends each request
 where its TTFT is smallest. Targets are measured, not asserted.
 """
-    return head + "\n" + "\n\n".join(parts) + "\n" + END + "\n"
-
-
-def write_section(doc: Path, text: str) -> None:
-    """Replace the sim section of the doc, or add it; the rest stays as it is."""
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    current = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if START in current and END in current:
-        before, rest = current.split(START, 1)
-        after = rest.split(END, 1)[1].lstrip("\n")
-        new = before + text + ("\n" + after if after else "")
-    else:
-        new = current.rstrip("\n") + "\n\n" + text
-    doc.write_text(new)
+    return head + "\n" + "\n\n".join(parts) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -328,20 +325,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma list for the p99 plot",
     )
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
-    parser.add_argument("--img", type=Path, default=ROOT / "docs" / "img")
+    parser.add_argument(
+        "--img", type=Path, default=None, help="plot folder (default with --write-docs: docs/img)"
+    )
+    add_write_docs(parser, "--doc (and the plots into docs/img)")
     args = parser.parse_args(argv)
-    import matplotlib
-
-    matplotlib.use("Agg")
+    if args.img is None and args.write_docs:
+        args.img = ROOT / "docs" / "img"
     limit = args.limit or None
     utilizations = [float(u) for u in args.utilizations.split(",") if u.strip()]
-    args.img.mkdir(parents=True, exist_ok=True)
+    if args.img is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        args.img.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     parts: list[str] = []
     summary = []
     traces = [] if args.traces == TRACES else [rel(t) for t in args.traces]
     command = shlex.join(
-        ["python", "bench/sim_report.py", *traces]
+        ["python", "bench/sim_report.py", "--write-docs", *traces]
         + (["--limit", str(args.limit)] if args.limit != 10000 else [])
         + (["--seed", str(args.seed)] if args.seed else [])
     )
@@ -351,16 +354,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = run_trace(
             trace, utilization=TABLE_UTILIZATION, limit=limit, config=SimConfig(seed=args.seed)
         )
-        cdf = args.img / f"sim_ttft_cdf_{name}.png"
-        p99 = args.img / f"sim_p99_vs_util_{name}.png"
-        plot_cdf(run.results, f"TTFT CDF, {name} trace, utilization 0.8\n{command}", cdf)
+        cdf = Path("img") / f"sim_ttft_cdf_{name}.png"
+        p99 = Path("img") / f"sim_p99_vs_util_{name}.png"
+        if args.img is not None:
+            cdf, p99 = args.img / cdf.name, args.img / p99.name
+            plot_cdf(run.results, f"TTFT CDF, {name} trace, utilization 0.8\n{command}", cdf)
         variants = what_if(trace, limit, args.seed)
         tuned = next(
             r for label, _, r in variants if label.startswith("least_load, weights " + PROPOSED)
         )
         known = {TABLE_UTILIZATION: [*run.results, replace(tuned, strategy=PROPOSED_LABEL)]}
         curves = sweep(trace, limit, args.seed, utilizations, known)
-        plot_p99(curves, f"TTFT p99 vs utilization, {name} trace\n{command}", p99)
+        if args.img is not None:
+            plot_p99(curves, f"TTFT p99 vs utilization, {name} trace\n{command}", p99)
         summary.append((name, burstiness(trace, limit), run.results, variants))
         parts.append(
             f"### `{trace.name}` at utilization {TABLE_UTILIZATION:g}\n\n"
@@ -376,8 +382,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     parts.append(findings(summary))
     seconds = time.monotonic() - started
-    write_section(args.doc, section(args, command, parts, seconds))
-    log(f"wrote {rel(args.doc)} and {len(args.traces) * 2} plots in {seconds:.0f} s")
+    text = section(args, command, parts, seconds)
+    print(text)
+    if args.write_docs:
+        write_section("sim", text, args.doc)
+        log(f"wrote {rel(args.doc)} and {len(args.traces) * 2} plots in {seconds:.0f} s")
     return 0
 
 

@@ -15,11 +15,11 @@ reaper, and reports: requests sent / completed / disconnected / failed (each fai
 with its cause, and whether the fault in progress explains it), reservations left in
 Redis after quiesce (must be 0), client-side TTFT p99 per minute, the invariant
 checks made during the run, and each node's RSS at start and end (from /proc).
-It writes docs/reliability.md, with the raw results embedded so that
-`--rerender` can rebuild the page without running again.
+With --write-docs it writes docs/reliability.md, with the raw results embedded so
+that `--rerender` can rebuild the page without running again.
 
-    python bench/soak.py                      # 10 minutes (the documented run)
-    python bench/soak.py --minutes 2 --fault-every 10 20    # a quick smoke run
+    python bench/soak.py --write-docs         # 10 minutes (the documented run)
+    python bench/soak.py --minutes 2 --fault-every 10 20    # a quick smoke run, print only
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from typing import Any, TextIO
 import aiohttp
 from redis.asyncio import Redis
 
+from bench.docs import add_write_docs
 from coordinator.keys import PoolKeys
 from local_fleet.cluster import Child, LocalCluster, free_port_block
 from local_fleet.embedded import EmbeddedRedis
@@ -862,9 +863,9 @@ counter is 0.
 |---|---|---|
 | `test_node_kill.py::test_kill_9_node_other_node_serves_and_dead_node_is_reaped` | kill -9 of a node holding live streams | every request through the other node succeeds (200 and `[DONE]`), only streams through the dead node are cut; the dead node's reservations are reaped at most one lease after its lease deadline (both on the Redis clock); counters converge; nothing leaks |
 | `test_node_kill.py::test_node_restarted_with_same_id_leaves_nothing_behind` | kill -9, then a restart under the same node id before the lease expires | the dead incarnation's reservations are released within one lease and a reap period; counters converge; nothing leaks. Found bug 1, fixed |
-| `test_redis_restart.py::...[static]` | Redis SIGKILL, restarted empty on the same port; engines listed on both nodes | no request fails; both nodes go `degraded`, then `ok`; within 3 s of both being `ok`, counters converge while streams reserved before the restart are still open (so they were re-asserted); nothing leaks |
-| `test_redis_restart.py::...[self]` | the same, engines self-registered, each through one node | the same. Found bug 2, fixed |
-| `test_redis_stop.py` | Redis SIGSTOP for 5 s, then SIGCONT | every request completes (200 and `[DONE]`); both nodes report `degraded` during the freeze and `ok` after it, by themselves; counters converge; nothing leaks. The latency added to requests alive during the freeze is measured, not asserted |
+| `test_redis_outages.py::...killed...[static]` | Redis SIGKILL, restarted empty on the same port; engines listed on both nodes | no request fails; both nodes go `degraded`, then `ok`; within 3 s of both being `ok`, counters converge while streams reserved before the restart are still open (so they were re-asserted); nothing leaks |
+| `test_redis_outages.py::...killed...[self]` | the same, engines self-registered, each through one node | the same. Found bug 2, fixed |
+| `test_redis_outages.py::...sigstop...` | Redis SIGSTOP for 5 s, then SIGCONT | every request completes (200 and `[DONE]`); both nodes report `degraded` during the freeze and `ok` after it, by themselves; counters converge; nothing leaks. The latency added to requests alive during the freeze is measured, not asserted |
 | `test_script_flush.py` | SCRIPT FLUSH every 10 ms for 3 s under load | the nodes met NOSCRIPT (errorstats); no request fails; no node ever entered degraded mode; nothing leaks. Found bug 3, fixed |
 | `test_engine_faults.py::test_engine_crash_mid_stream_...` | every fourth request crashes its engine's stream half-way (`X-Mock-Fault: crash`) | exactly those requests get 200 and a truncated stream (no `[DONE]`), all others complete; each node counts exactly its crashed requests as `upstream_failed`; counters converge; nothing leaks |
 | `test_engine_faults.py::test_engine_restart_...` | kill -9 of an engine, restarted on the same port | it registers a higher epoch, and no reservation of the old epoch survives that registration (same atomic read); the restarted engine serves again; only streams the dead process carried fail; counters converge; nothing leaks |
@@ -1017,8 +1018,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="seed of every random draw")
     p.add_argument("--log", default="/tmp/soak-cluster.log", help="the processes' output")
     p.add_argument("--raw", default="/tmp/soak-requests.json", help="every request, as JSON")
-    p.add_argument("--doc", default=str(DOC), help="markdown file to write")
-    p.add_argument("--no-doc", action="store_true", help="print the report, write no doc")
+    p.add_argument("--doc", default=str(DOC), help="markdown file --write-docs writes")
+    add_write_docs(p, "--doc")
     p.add_argument(
         "--rerender", action="store_true", help="rebuild the doc from its embedded results"
     )
@@ -1056,7 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.raw, "w") as raw:
         json.dump([asdict(r) for r in results.requests_raw], raw)
     print(report_tables(summary), file=out)
-    if not args.no_doc:
+    if args.write_docs:
         doc.parent.mkdir(parents=True, exist_ok=True)
         doc.write_text(render(summary))
         print(f"\nwrote {doc}; process output in {args.log}", file=out)

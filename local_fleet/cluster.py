@@ -1,14 +1,19 @@
 """`coordinator cluster`: Redis, N proxy nodes and M registered mock engines, locally.
 
-Every part is a real OS process on 127.0.0.1. The launcher waits for each to be ready
-(by polling its health endpoint, with a deadline), prints how to reach everything,
-and on Ctrl-C or SIGTERM stops engines, then nodes, then Redis, leaving no process
-or temporary directory behind. Children also get SIGTERM if the launcher dies.
+Every part is a real OS process on 127.0.0.1. Before starting anything the launcher
+checks that every port it will use is free and that a given Redis answers. It then
+waits for each child to be ready (by polling its health endpoint, with a deadline),
+prints how to reach everything, and on Ctrl-C or SIGTERM stops engines, then nodes,
+then Redis, leaving no process or temporary directory behind. Children also get
+SIGTERM if the launcher dies. A child that fails, at start-up or later, is reported
+with its own last output line: each child writes its warnings and errors to a file
+in a temporary directory, removed with the cluster.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -17,15 +22,22 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
-from coordinator.connection import redact
-from local_fleet.embedded import EmbeddedRedis, die_with_parent
+from redis.exceptions import RedisError
+
+from coordinator.connection import close_redis, connect_redis, redact
+from coordinator.errors import CoordinatorError
+from coordinator.settings import Settings
+from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError, die_with_parent
+from local_fleet.pools import delete_pool
 
 # Below Linux's ephemeral range (32768+), where outgoing connections take ports.
 PORT_RANGE = (20_000, 32_000)
@@ -47,6 +59,41 @@ def free_port_block(nodes: int, engines: int, rng: random.Random | None = None) 
     raise RuntimeError("no free block of loopback ports found")
 
 
+class ClusterStartError(RuntimeError):
+    """The local cluster could not start; the message names the cause."""
+
+
+REDIS_CHECK_TIMEOUT_MS = 2000  # a given Redis must answer PING within this before anything starts
+
+
+def port_in_use(port: int) -> bool:
+    """True if a server could not bind 127.0.0.1:port now (as aiohttp binds: SO_REUSEADDR)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def check_redis(url: str) -> None:
+    """PING the Redis at `url`; ClusterStartError naming the cause if it does not answer."""
+    settings = replace(Settings(), redis_timeout_ms=REDIS_CHECK_TIMEOUT_MS)
+
+    async def ping() -> None:
+        client = connect_redis(url, settings)
+        try:
+            await client.ping()
+        finally:
+            await close_redis(client)
+
+    try:
+        asyncio.run(ping())
+    except (RedisError, OSError, CoordinatorError) as exc:
+        raise ClusterStartError(f"Redis at {redact(url)} does not answer: {exc}") from exc
+
+
 def http_json(url: str, timeout_s: float = 2.0) -> Any:
     """GET a JSON document (loopback only)."""
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
@@ -61,20 +108,42 @@ class Child:
     args: list[str]
     ready_url: str
     process: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None  # where its output goes, when not inherited
 
     def start(self, env: dict[str, str], log_to: Any) -> None:
-        """Start the process (its output goes to `log_to`)."""
+        """Start the process; its output goes to `log_to` (a file, DEVNULL, or None: ours)."""
         self.process = subprocess.Popen(
             self.args, env=env, stdout=log_to, stderr=log_to, preexec_fn=die_with_parent
+        )
+
+    def start_logged(self, env: dict[str, str], log_path: Path) -> None:
+        """Start the process with its output in `log_path` (read back by last_words)."""
+        self.log_path = log_path
+        with log_path.open("wb") as log:
+            self.start(env, log)
+
+    def last_words(self) -> str:
+        """The last line the process wrote (its error, when it failed), or ''."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return next((line.strip() for line in reversed(lines) if line.strip()), "")
+
+    def exit_message(self) -> str | None:
+        """None while running; else how it exited, with its last line."""
+        if self.process is None or self.process.poll() is None:
+            return None
+        words = self.last_words()
+        return f"{self.name} exited with code {self.process.returncode}" + (
+            f": {words}" if words else ""
         )
 
     def wait_ready(self, deadline: float) -> None:
         """Poll the ready URL until it answers 200; fail fast if the process died."""
         while True:
-            assert self.process is not None
-            code = self.process.poll()
-            if code is not None:
-                raise RuntimeError(f"{self.name} exited with code {code} during start-up")
+            exited = self.exit_message()
+            if exited is not None:
+                raise ClusterStartError(f"{exited} (during start-up)")
             try:
                 with urllib.request.urlopen(self.ready_url, timeout=1.0) as response:
                     if response.status == 200:
@@ -82,7 +151,7 @@ class Child:
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} not ready at {self.ready_url} in time")
+                raise ClusterStartError(f"{self.name} not ready at {self.ready_url} in time")
             time.sleep(0.05)
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -114,6 +183,7 @@ class LocalCluster:
     quiet: bool = True
     redis: EmbeddedRedis | None = None
     children: list[Child] = field(default_factory=list)
+    _logs: tempfile.TemporaryDirectory[str] | None = None
 
     def node_port(self, k: int) -> int:
         """Service port of node k."""
@@ -126,6 +196,22 @@ class LocalCluster:
     def engine_port(self, j: int) -> int:
         """Port of mock engine j."""
         return self.base_port + 100 + j
+
+    def ports(self) -> list[tuple[int, str]]:
+        """Every port the cluster binds, with what binds it."""
+        out = []
+        for k in range(self.nodes):
+            out += [(self.node_port(k), f"node-{k}"), (self.control_port(k), f"node-{k} control")]
+        return out + [(self.engine_port(j), f"engine-{j}") for j in range(self.engines)]
+
+    def check_ports(self) -> None:
+        """ClusterStartError listing the ports something else already holds."""
+        taken = [f"{port} ({what})" for port, what in self.ports() if port_in_use(port)]
+        if taken:
+            raise ClusterStartError(
+                f"port{'s' if len(taken) > 1 else ''} already in use on 127.0.0.1: "
+                f"{', '.join(taken)}; choose another --base-port"
+            )
 
     @property
     def node_urls(self) -> list[str]:
@@ -148,6 +234,11 @@ class LocalCluster:
             raise ValueError("a cluster needs at least one node and one engine")
         if self.speed <= 0:
             raise ValueError("--speed must be > 0")
+        if not (1 <= self.base_port and self.engine_port(self.engines - 1) <= 65535):
+            raise ValueError(f"--base-port {self.base_port} leaves no room for every port")
+        self.check_ports()
+        if self.redis_url is not None:
+            check_redis(self.redis_url)
         deadline = time.monotonic() + timeout_s
         try:
             if self.redis_url is None:
@@ -156,8 +247,12 @@ class LocalCluster:
             env = dict(os.environ)
             env.pop("COORD_TOKEN", None)
             node_env = {**env, **self.node_env}
-            log_to = subprocess.DEVNULL if self.quiet else None
+            if self.quiet:
+                self._logs = tempfile.TemporaryDirectory(prefix="coordinator-cluster-")
             python = [sys.executable, "-m"]
+            # Logged children keep warnings and errors only: a long-lived cluster's
+            # per-request access lines would grow the log files without end.
+            quiet = ["--log-level", "WARNING"] if self._logs is not None else []
             auth = ["--token", self.token] if self.token else []
             for k in range(self.nodes):
                 child = Child(
@@ -165,6 +260,7 @@ class LocalCluster:
                     [
                         *python,
                         "proxy_node",
+                        *quiet,
                         "--redis-url",
                         self.redis_url,
                         "--pool",
@@ -181,7 +277,7 @@ class LocalCluster:
                     ],
                     f"http://127.0.0.1:{self.node_port(k)}/healthz",
                 )
-                child.start(node_env, log_to)
+                self._launch(child, node_env)
                 self.children.append(child)
             for child in self.children:
                 child.wait_ready(deadline)
@@ -193,6 +289,7 @@ class LocalCluster:
                     [
                         *python,
                         "local_fleet.mock_engine",
+                        *quiet,
                         "--port",
                         str(self.engine_port(j)),
                         "--speed",
@@ -206,16 +303,32 @@ class LocalCluster:
                     ],
                     f"http://127.0.0.1:{self.engine_port(j)}/health",
                 )
-                child.start(env, log_to)
+                self._launch(child, env)
                 engines.append(child)
             self.children.extend(engines)
             for child in engines:
                 child.wait_ready(deadline)
             self.wait_for_instances(self.engines, deadline)
+            # A ready URL answered by someone else's server would hide a child that
+            # failed to bind: every child must still be running now.
+            self.check_children()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _launch(self, child: Child, env: dict[str, str]) -> None:
+        if self._logs is None:
+            child.start(env, None)
+        else:
+            child.start_logged(env, Path(self._logs.name) / f"{child.name}.log")
+
+    def check_children(self) -> None:
+        """ClusterStartError with the first exited child's own last line."""
+        for child in self.children:
+            exited = child.exit_message()
+            if exited is not None:
+                raise ClusterStartError(exited)
 
     def alive_instances(self) -> int:
         """Alive instances as node 0's control plane reports them."""
@@ -229,8 +342,17 @@ class LocalCluster:
     def wait_for_instances(self, count: int, deadline: float) -> None:
         """Block until `count` instances are alive in the pool."""
         while self.alive_instances() < count:
+            self.check_children()
             if time.monotonic() > deadline:
-                raise RuntimeError(f"only {self.alive_instances()} of {count} engines registered")
+                words = [
+                    f"{child.name}: {child.last_words()}"
+                    for child in self.children
+                    if child.name.startswith("engine-") and child.last_words()
+                ]
+                raise ClusterStartError(
+                    f"only {self.alive_instances()} of {count} engines registered in time"
+                    + ("; last lines: " + " | ".join(words) if words else "")
+                )
             time.sleep(0.05)
 
     def stop(self) -> None:
@@ -241,13 +363,28 @@ class LocalCluster:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self._logs is not None:
+            self._logs.cleanup()
+            self._logs = None
+
+    def delete_pool(self) -> int:
+        """Delete every key of this cluster's pool (and nothing else); returns how many."""
+        assert self.redis_url is not None
+        return delete_pool(self.redis_url, self.pool)
+
+    def server_line(self) -> str:
+        """Which Redis the cluster uses: the URL, and for a private one its binary."""
+        assert self.redis_url is not None
+        if self.redis is None:
+            return redact(self.redis_url)
+        return f"{self.redis_url}  (private: {self.redis.binary}, {self.redis.version_line})"
 
     def describe(self) -> str:
         """Every URL, and a redis-cli line for inspecting the pool."""
         assert self.redis_url is not None
         host_port = self.redis_url.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
         host, _, port = host_port.partition(":")
-        lines = [f"redis        {redact(self.redis_url)}"]
+        lines = [f"redis        {self.server_line()}"]
         for k in range(self.nodes):
             lines.append(
                 f"node-{k}       service {self.node_urls[k]}   control {self.control_urls[k]}"
@@ -267,8 +404,8 @@ class LocalCluster:
         return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `coordinator cluster`."""
+def add_fleet_arguments(parser: argparse.ArgumentParser, base_port: int) -> None:
+    """The cluster's shape: --nodes, --engines, --redis-url, --base-port and --speed."""
     parser.add_argument("--nodes", type=int, default=3, help="proxy nodes to start")
     parser.add_argument("--engines", type=int, default=4, help="mock engines to start")
     parser.add_argument(
@@ -279,10 +416,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--base-port",
         type=int,
-        default=8001,
+        default=base_port,
         help="node k serves on base+2k, its control plane on base+2k+1; engine j on base+100+j",
     )
     parser.add_argument("--speed", type=float, default=1.0, help="mock engines run S times faster")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `coordinator cluster`."""
+    add_fleet_arguments(parser, base_port=8001)
     parser.add_argument("--pool", default="demo", help="pool name")
     parser.add_argument("--token", default=None, help="control-plane bearer token for all nodes")
     parser.add_argument(
@@ -311,23 +453,27 @@ def run(args: argparse.Namespace) -> int:
     print(f"starting redis, {args.nodes} nodes and {args.engines} engines...", flush=True)
     try:
         cluster.start()
-    except (RuntimeError, ValueError) as exc:
+    except (RuntimeError, ValueError, ServerUnavailableError) as exc:
         print(f"cluster failed to start: {exc}", file=sys.stderr)
         return 1
     print(cluster.describe(), flush=True)
     print("\ncluster is up; Ctrl-C stops everything.", flush=True)
+    code = 0
     try:
         while not stop.wait(0.5):
             for child in cluster.children:
-                if child.process is not None and child.process.poll() is not None:
-                    print(f"{child.name} exited unexpectedly; stopping", file=sys.stderr)
+                exited = child.exit_message()
+                if exited is not None:
+                    print(f"{exited}; stopping", file=sys.stderr)
+                    code = 1
                     stop.set()
+                    break
     finally:
         # Stop first: a closed stdout (the reader went away) must not leave orphans.
         _say("stopping...")
         cluster.stop()
     _say("stopped.")
-    return 0
+    return code
 
 
 def _say(text: str) -> None:

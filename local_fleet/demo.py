@@ -18,11 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from redis.exceptions import RedisError
 
 from coordinator.connection import redact
-from local_fleet.cluster import LocalCluster
+from coordinator.errors import CoordinatorError
+from local_fleet.cluster import LocalCluster, add_fleet_arguments
+from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError, find_server_binary
 from local_fleet.stats import nearest_rank
 
+POOL = "demo"
 WORDS = "the fleet reserves every request in redis so no node herds onto one engine".split()
 
 
@@ -175,8 +179,8 @@ def progress(
     )
 
 
-def report(run: dict[str, Any]) -> str:
-    """The final tables and pointers."""
+def report(run: dict[str, Any], redis_url: str | None = None, own_cluster: bool = True) -> str:
+    """The final tables, and where to look next (`redis_url`: the demo's external Redis)."""
     results: list[Result] = run["results"]
     lines = ["", "Per-instance results (client-side, ms):", ""]
     header = f"{'instance':<12}{'requests':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'e2e p50':>10}{'e2e p99':>10}"
@@ -216,16 +220,40 @@ def report(run: dict[str, Any]) -> str:
                 f"{'-' if total is None else f'{total:.2f}':>6}"
             )
         lines.append(f"{t:>6.1f}  " + "".join(f"{c:>16}" for c in cells))
-    lines += [
-        "",
-        "Where to look next (while a cluster runs: `coordinator cluster`):",
+    lines += ["", *next_steps(redis_url, own_cluster)]
+    return "\n".join(lines)
+
+
+def next_steps(redis_url: str | None, own_cluster: bool = True) -> list[str]:
+    """Where to look next: the demo's own cluster is gone by the time this is read."""
+    if not own_cluster:
+        return [
+            "The cluster at --targets keeps running: look at it with",
+            "  GET  <control>/debug/instance_loads   the snapshot and scores selection uses",
+            "  coordinator inspect --redis-url URL --pool POOL   (its Redis URL and pool)",
+        ]
+    if redis_url is None:
+        gone = (
+            "The demo's cluster and its private Redis have stopped, so there is nothing "
+            "left to look at."
+        )
+        url = "URL"
+    else:
+        gone = (
+            f"The demo's cluster has stopped and its pool's keys were deleted from "
+            f"{redact(redis_url)}, so an inspect now shows an empty pool."
+        )
+        url = redact(redis_url)
+    return [
+        gone,
+        "To look around, start a cluster that stays up: `coordinator cluster --pool demo`",
+        "prints its Redis URL and ports; then, with URL being that Redis URL:",
         "  GET  <control>/debug/instance_loads   the snapshot and scores selection uses",
         "  GET  <control>/debug/reservations     live reservations (no payloads)",
         "  GET  <node>/metrics                   Prometheus metrics",
-        "  redis-cli HGETALL 'lc:{demo}:inflight'   the shared counters, as stored",
-        "  coordinator inspect --pool demo        the pool at a glance",
+        f"  redis-cli -u {url} HGETALL 'lc:{{demo}}:inflight'   the shared counters, as stored",
+        f"  coordinator inspect --redis-url {url} --pool demo   the pool at a glance",
     ]
-    return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -233,12 +261,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--duration", type=float, default=30.0, help="seconds of load (at most 600)"
     )
-    parser.add_argument("--nodes", type=int, default=3, help="proxy nodes")
-    parser.add_argument("--engines", type=int, default=4, help="mock engines")
+    add_fleet_arguments(parser, base_port=18001)
     parser.add_argument("--base-rps", type=float, default=6.0, help="arrival rate between bursts")
     parser.add_argument("--burst-rps", type=float, default=30.0, help="arrival rate in bursts")
-    parser.add_argument("--speed", type=float, default=1.0, help="mock engine speed-up")
-    parser.add_argument("--base-port", type=int, default=18001, help="first port (see cluster)")
     parser.add_argument("--seed", type=int, default=7, help="workload seed")
     parser.add_argument(
         "--targets",
@@ -251,11 +276,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("DEMO_CONTROL"),
         help="control-plane URL sampled for pressure with --targets (env DEMO_CONTROL)",
     )
-    parser.add_argument(
-        "--redis-url",
-        default=os.environ.get("REDIS_URL"),
-        help="external Redis (env REDIS_URL); default: a private embedded one",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -267,35 +287,57 @@ def run(args: argparse.Namespace) -> int:
     if args.targets:
         nodes = [u.strip().rstrip("/") for u in args.targets.split(",") if u.strip()]
         control = (args.control or nodes[0]).rstrip("/")
-        return _drive_and_report(Targets(nodes, [control]), workload, args.duration)
+        outcome = _drive(Targets(nodes, [control]), workload, args.duration)
+        return _report(outcome, None, own_cluster=False)
     cluster = LocalCluster(
         nodes=args.nodes,
         engines=args.engines,
         base_port=args.base_port,
         redis_url=args.redis_url,
         speed=args.speed,
-        pool="demo",
-    )
-    print(
-        f"starting a local cluster: {args.nodes} nodes, {args.engines} mock engines, "
-        f"{'redis at ' + redact(args.redis_url) if args.redis_url else 'embedded redis'}...",
-        flush=True,
+        pool=POOL,
     )
     try:
+        server = (
+            f"Redis at {redact(args.redis_url)}"
+            if args.redis_url
+            else f"a private Redis-compatible server ({private_server()})"
+        )
+        print(
+            f"starting a local cluster: {args.nodes} nodes, {args.engines} mock engines, "
+            f"{server}...",
+            flush=True,
+        )
         cluster.start()
-    except (RuntimeError, ValueError) as exc:
+    except (RuntimeError, ValueError, ServerUnavailableError) as exc:
         print(f"cluster failed to start: {exc}", file=sys.stderr)
         return 1
     try:
         print(cluster.describe(), flush=True)
-        return _drive_and_report(cluster, workload, args.duration)
+        outcome = _drive(cluster, workload, args.duration)
     finally:
         cluster.stop()
+        if args.redis_url:
+            # The demo's pool is its own: leave nothing of it in someone's Redis.
+            try:
+                cluster.delete_pool()
+            except (RedisError, OSError, CoordinatorError) as exc:
+                print(f"could not delete the demo's keys: {exc}", file=sys.stderr)
+    return _report(outcome, args.redis_url)
 
 
-def _drive_and_report(targets: Targets | LocalCluster, workload: Workload, duration: float) -> int:
+def private_server() -> str:
+    """The binary a private server would run, with its version."""
+    server = EmbeddedRedis(binary=find_server_binary())
+    return f"{server.binary}, {server.version_line}"
+
+
+def _drive(targets: Targets | LocalCluster, workload: Workload, duration: float) -> dict[str, Any]:
     print(f"\ndriving a bursty streaming workload for {duration:.0f}s...", flush=True)
-    outcome = asyncio.run(drive(targets, workload, sys.stdout))
-    print(report(outcome), flush=True)
+    return asyncio.run(drive(targets, workload, sys.stdout))
+
+
+def _report(outcome: dict[str, Any], redis_url: str | None, own_cluster: bool = True) -> int:
+    print(report(outcome, redis_url, own_cluster), flush=True)
     failed = sum(1 for r in outcome["results"] if r.status != 200)
     return 0 if failed == 0 else 1

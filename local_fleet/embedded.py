@@ -27,6 +27,8 @@ class ServerUnavailableError(CoordinatorError):
 
 
 PR_SET_PDEATHSIG = 1
+# A throwaway server: nothing on disk, only warnings in its log.
+EPHEMERAL_ARGS = ("--save", "", "--appendonly", "no", "--loglevel", "warning")
 
 
 def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -85,6 +87,11 @@ class EmbeddedRedis:
         )
         return out.stdout.strip()
 
+    @property
+    def version_line(self) -> str:
+        """The banner's name and version, e.g. `Redis server v=7.2.4` (build details cut)."""
+        return self.version.split(" sha=", 1)[0] or "version unknown"
+
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         """Start the server and wait until it answers PING."""
         self.binary = self.binary or find_server_binary()
@@ -96,16 +103,11 @@ class EmbeddedRedis:
             str(self.port),
             "--bind",
             "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
+            *EPHEMERAL_ARGS,
             "--dir",
             self._dir.name,
             "--daemonize",
             "no",
-            "--loglevel",
-            "warning",
             "--logfile",
             str(Path(self._dir.name) / "server.log"),
             *self.extra_args,
@@ -119,7 +121,7 @@ class EmbeddedRedis:
                 err = self.process.stderr.read().decode() if self.process.stderr else ""
                 self.stop()
                 raise ServerUnavailableError(f"{self.binary} exited at start: {err.strip()}")
-            if _pings(self.port):
+            if pings(self.port):
                 return self
             time.sleep(0.02)
         self.stop()
@@ -153,7 +155,8 @@ class EmbeddedRedis:
         self.stop()
 
 
-def _pings(port: int) -> bool:
+def pings(port: int) -> bool:
+    """True if a server on 127.0.0.1:port answers PING now."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
             sock.sendall(b"PING\r\n")

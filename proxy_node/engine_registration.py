@@ -30,6 +30,19 @@ class RegistrationError(Exception):
     """The control plane refused a call (a status other than the expected ones)."""
 
 
+class RegistrationDeniedError(RegistrationError):
+    """The control plane refused our credentials (401/403): retrying cannot help."""
+
+
+DENIED = (401, 403)
+
+
+def _refusal(what: str, status: int, text: str) -> RegistrationError:
+    kind = RegistrationDeniedError if status in DENIED else RegistrationError
+    hint = " (check the bearer token)" if status in DENIED else ""
+    return kind(f"{what} refused: {status} {text[:200]}{hint}")
+
+
 class Registrar:
     """Keeps one instance registered: register, heartbeat, re-register on 404, unregister."""
 
@@ -96,8 +109,7 @@ class Registrar:
         url = f"{self.control_url}/v1/instances"
         async with self.session.post(url, json=self.spec_body(), headers=self._headers()) as resp:
             if resp.status >= 300:
-                text = await resp.text()
-                raise RegistrationError(f"registration refused: {resp.status} {text[:200]}")
+                raise _refusal("registration", resp.status, await resp.text())
             answer = await resp.json(content_type=None)
         if not isinstance(answer, dict):
             raise RegistrationError(f"registration answer is not an object: {answer!r}")
@@ -127,8 +139,7 @@ class Registrar:
             if resp.status == 404:
                 return False
             if resp.status >= 300:
-                text = await resp.text()
-                raise RegistrationError(f"heartbeat refused: {resp.status} {text[:200]}")
+                raise _refusal("heartbeat", resp.status, await resp.text())
         self.heartbeats += 1
         return True
 
@@ -148,7 +159,11 @@ class Registrar:
         self.registered = False
 
     async def run(self) -> None:
-        """Register, then heartbeat until cancelled; errors are retried with backoff."""
+        """Register, then heartbeat until cancelled; errors are retried with backoff.
+
+        A refused credential (RegistrationDeniedError) is raised, not retried: the same
+        token will be refused again.
+        """
         delay = self.backoff_s
         while True:
             try:
@@ -162,6 +177,8 @@ class Registrar:
                     self.registered = False
                     continue
                 delay = self.backoff_s
+            except RegistrationDeniedError:
+                raise
             except (aiohttp.ClientError, TimeoutError, RegistrationError, ValueError) as exc:
                 log.warning(
                     "control plane %s: %r; retrying in %.2f s", self.control_url, exc, delay

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from redis.exceptions import RedisError
 from rich import box
 from rich.console import Console, Group, JustifyMethod, RenderableType
 from rich.live import Live
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -88,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         type=_interval,
         metavar="SECONDS",
-        help=f"refresh in place every SECONDS (default {WATCH_DEFAULT_S:g}) until Ctrl-C",
+        help=f"refresh in place every SECONDS (default {WATCH_DEFAULT_S:g}) until Ctrl-C; "
+        "when stdout is not a terminal, print one plain frame after another (like top -b)",
     )
 
 
@@ -119,10 +122,17 @@ def run(args: argparse.Namespace) -> int:
         _error(str(exc))
         return 2
     if args.watch is not None:
+        # On a terminal, redraw in place; into a pipe or file, print one plain frame
+        # after another, as `top -b` does.
+        watch = _watch if sys.stdout.isatty() else _watch_plain
         try:
-            asyncio.run(_watch(coordinator, args, settings))
+            asyncio.run(watch(coordinator, args, settings))
         except KeyboardInterrupt:
             pass  # Ctrl-C is how a watch ends
+        except BrokenPipeError:
+            # The reader went away (`| head`): stop quietly, without a second error
+            # when Python flushes stdout at exit.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     try:
         state = asyncio.run(_read_once(coordinator, settings))
@@ -191,35 +201,69 @@ def _phase_of(raw: Any) -> str:
     return phase if isinstance(phase, str) else "unknown"
 
 
+class _Frames:
+    """Successive frames of a watch: one Coordinator while Redis answers, a fresh one after."""
+
+    def __init__(
+        self, coordinator: Coordinator, args: argparse.Namespace, settings: Settings
+    ) -> None:
+        self.current: Coordinator | None = coordinator
+        self.args = args
+        self.settings = settings
+
+    async def next(self, width: int | None) -> RenderableType:
+        """Read the pool and render it, or render why it could not be read."""
+        if self.current is None:
+            self.current = _coordinator(self.args.redis_url, self.args.pool, self.settings)
+        try:
+            # One Coordinator across frames: its cache makes each read incremental.
+            state = await read_pool(self.current, self.settings)
+        except InspectError as exc:
+            # A degraded Coordinator would start re-asserting a lease for node
+            # `inspect` once Redis is back: drop it and start afresh next frame.
+            await self.current.close()
+            self.current = None
+            return Text(
+                f"error: Redis at {redact(self.args.redis_url)}: {exc}\n"
+                f"retrying every {self.args.watch:g}s (Ctrl-C to quit)",
+                style="red",
+            )
+        return render(state, self.args.redis_url, width)
+
+    async def close(self) -> None:
+        """Close the Coordinator in use."""
+        if self.current is not None:
+            await self.current.close()
+            self.current = None
+
+
 async def _watch(coordinator: Coordinator, args: argparse.Namespace, settings: Settings) -> None:
     """Redraw in place every args.watch seconds until cancelled (Ctrl-C)."""
     console = Console(highlight=False)
-    current: Coordinator | None = coordinator
+    frames = _Frames(coordinator, args, settings)
     try:
         with Live(console=console, auto_refresh=False, transient=False) as live:
             while True:
-                if current is None:
-                    current = _coordinator(args.redis_url, args.pool, settings)
-                frame: RenderableType
-                try:
-                    # One Coordinator across frames: its cache makes each read incremental.
-                    state = await read_pool(current, settings)
-                    frame = render(state, args.redis_url, console.width)
-                except InspectError as exc:
-                    # A degraded Coordinator would start re-asserting a lease for node
-                    # `inspect` once Redis is back: drop it and start afresh next frame.
-                    await current.close()
-                    current = None
-                    frame = Text(
-                        f"error: Redis at {redact(args.redis_url)}: {exc}\n"
-                        f"retrying every {args.watch:g}s (Ctrl-C to quit)",
-                        style="red",
-                    )
-                live.update(frame, refresh=True)
+                live.update(await frames.next(console.width), refresh=True)
                 await asyncio.sleep(args.watch)
     finally:
-        if current is not None:
-            await current.close()
+        await frames.close()
+
+
+async def _watch_plain(
+    coordinator: Coordinator, args: argparse.Namespace, settings: Settings
+) -> None:
+    """Print one plain frame every args.watch seconds, each after a blank line (`top -b`)."""
+    console = _plain_console()
+    frames = _Frames(coordinator, args, settings)
+    try:
+        while True:
+            console.print(await frames.next(console.width))
+            console.print()
+            console.file.flush()
+            await asyncio.sleep(args.watch)
+    finally:
+        await frames.close()
 
 
 def render(state: PoolState, redis_url: str, width: int | None = None) -> Group:
@@ -273,13 +317,13 @@ INSTANCE_COLUMNS: tuple[tuple[str, JustifyMethod, int], ...] = (
     ("score", "right", 3),
     ("top components", "left", 7),
 )
-COLUMN_GAP = 3  # padding and separator per column in the SIMPLE_HEAD box
 
 
 def _instance_cells(row: dict[str, Any]) -> list[Text]:
     score = row["least_load_score"] or {}
+    rank = row["rank"]
     return [
-        Text(_num(row["rank"])),
+        Text(_num(None if rank is None else rank + 1)),  # 1 = chosen first
         Text(str(row["id"])),
         Text("alive", "green") if row["alive"] else Text("stale", "red"),
         Text(_num(row["epoch"])),
@@ -295,25 +339,36 @@ def _instance_cells(row: dict[str, Any]) -> list[Text]:
     ]
 
 
+def _rank_order(row: dict[str, Any]) -> tuple[bool, int, str]:
+    # Ranked rows first, best first; unranked (dead, or not eligible) after, by id.
+    rank = row["rank"]
+    return (rank is None, rank if rank is not None else 0, str(row["id"]))
+
+
 def _instance_table(instances: list[dict[str, Any]], width: int | None) -> Table:
-    rows = [_instance_cells(row) for row in sorted(instances, key=lambda r: str(r["id"]))]
-    natural = [
-        max([len(name), *(cells[k].cell_len for cells in rows)]) + COLUMN_GAP
-        for k, (name, _, _) in enumerate(INSTANCE_COLUMNS)
-    ]
+    rows = [_instance_cells(row) for row in sorted(instances, key=_rank_order)]
     shown = set(range(len(INSTANCE_COLUMNS)))
     if width is not None:
         for k in sorted(shown, key=lambda k: -INSTANCE_COLUMNS[k][2]):
-            if sum(natural[i] for i in shown) <= width or INSTANCE_COLUMNS[k][2] == 0:
+            if _table_width(_build_table(rows, shown, 0)) <= width or INSTANCE_COLUMNS[k][2] == 0:
                 break
             shown.discard(k)
-    hidden = len(INSTANCE_COLUMNS) - len(shown)
+    return _build_table(rows, shown, len(INSTANCE_COLUMNS) - len(shown))
+
+
+def _build_table(rows: list[list[Text]], shown: set[int], hidden: int) -> Table:
+    caption = None
+    if hidden:
+        noun = "column" if hidden == 1 else "columns"
+        caption = f"{hidden} {noun} hidden: widen the terminal or use --json"
     table = Table(
         title="instances",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         show_edge=False,
-        caption=f"{hidden} columns hidden: widen the terminal or use --json" if hidden else None,
+        collapse_padding=True,  # two spaces between columns, not three: 13 columns fit 160
+        pad_edge=False,
+        caption=caption,
         caption_justify="left",
     )
     for k, (name, justify, _) in enumerate(INSTANCE_COLUMNS):
@@ -322,6 +377,12 @@ def _instance_table(instances: list[dict[str, Any]], width: int | None) -> Table
     for cells in rows:
         table.add_row(*(cell for k, cell in enumerate(cells) if k in shown))
     return table
+
+
+def _table_width(table: Table) -> int:
+    """The width the table takes when nothing is squeezed, as rich itself measures it."""
+    console = Console(width=10_000, file=io.StringIO())
+    return Measurement.get(console, console.options, table).maximum
 
 
 def _node_table(nodes: list[tuple[str, int]], now_ms: int) -> Table:
@@ -358,15 +419,26 @@ def _num(value: Any, digits: int = 0) -> str:
 
 
 def _hint_ages(hints: dict[str, dict[str, Any]]) -> Text:
+    # Hints sent in one heartbeat share their age: one age per group keeps it narrow,
+    # e.g. "run wait 1.2s".
     if not hints:
         return Text("-", style="dim")
-    out = Text()
+    groups: dict[tuple[str, bool], list[str]] = {}
     for name, hint in hints.items():
+        key = (_age(int(hint["age_ms"])), bool(hint["fresh"]))
+        groups.setdefault(key, []).append(HINT_LABELS.get(name, name))
+    out = Text()
+    for (age, fresh), names in groups.items():
         if out:
-            out.append(" ")
-        label = f"{HINT_LABELS.get(name, name)} {hint['age_ms']}ms"
-        out.append(label, style=None if hint["fresh"] else "red")
+            out.append(", ")
+        out.append(f"{' '.join(names)} {age}", style=None if fresh else "red")
     return out
+
+
+def _age(ms: int) -> str:
+    if ms < 1000:
+        return f"{ms}ms"
+    return f"{ms / 1000:.1f}s" if ms < 100_000 else f"{ms // 1000}s"
 
 
 def _top_components(weighted: dict[str, float]) -> str:

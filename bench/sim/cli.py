@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
-from bench.sim.report import markdown, run_trace
+from bench.sim.report import json_ready, markdown, run_trace
 from bench.sim.simulator import EXPECTED_OUTPUT_MODES, STRATEGIES, SimConfig
+from bench.sim.synthetic import DEFAULT_REQUESTS
 from bench.sim.traces import TraceError
 from coordinator.errors import InvalidArgumentError
 from coordinator.settings import Settings, Weights
@@ -44,22 +43,14 @@ def _weights(text: str) -> Weights:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _finite(value: Any) -> Any:
-    """NaN (a metric with no sample) becomes null: JSON has no NaN."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `bench sim`."""
-    parser.add_argument("--trace", required=True, help="trace file: Azure CSV or JSONL")
-    parser.add_argument("--instances", type=int, default=8, help="engine instances")
-    parser.add_argument("--nodes", type=int, default=3, help="proxy nodes (arrivals round-robin)")
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """--trace and --utilization, the same for `bench sim` and `bench live`."""
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="trace file: Azure CSV or JSONL (see the README for public traces); default: "
+        "the built-in synthetic workload (bench/sim/synthetic.py), drawn from --seed",
+    )
     parser.add_argument(
         "--utilization",
         type=float,
@@ -67,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="scale inter-arrival times to this offered load (0 = replay as recorded); "
         "see bench/sim/traces.py for the capacity definition",
     )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `bench sim`."""
+    add_workload_arguments(parser)
+    parser.add_argument("--instances", type=int, default=8, help="engine instances")
+    parser.add_argument("--nodes", type=int, default=3, help="proxy nodes (arrivals round-robin)")
     parser.add_argument(
         "--hint-interval-ms",
         type=float,
@@ -85,7 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(STRATEGIES),
         help=f"comma list from {', '.join(STRATEGIES)} (or 'all')",
     )
-    parser.add_argument("--limit", type=int, default=None, help="use the first N requests")
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help=f"use the first N requests (synthetic workload: N requests, default {DEFAULT_REQUESTS})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of every random choice")
     parser.add_argument(
         "--expected-output",
@@ -112,7 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def command(args: argparse.Namespace) -> list[str]:
     """The canonical command line that reproduces a run (defaults left out)."""
-    cmd = ["coordinator", "bench", "sim", "--trace", str(args.trace)]
+    cmd = ["coordinator", "bench", "sim"]
+    if args.trace is not None:
+        cmd += ["--trace", str(args.trace)]
     cmd += ["--utilization", f"{args.utilization:g}"]
     if args.instances != 8:
         cmd += ["--instances", str(args.instances)]
@@ -178,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(_finite(result.as_dict()), indent=2, allow_nan=False))
+        print(json.dumps(json_ready(result.as_dict()), indent=2, allow_nan=False))
     else:
         print(markdown(result, command(args)))
     return 0

@@ -10,9 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.sim.simulator import STRATEGIES, Progress, SimConfig, StrategyResult, compare
-from bench.sim.traces import load_trace, offered_load, scale_to_utilization
+from bench.sim.synthetic import load_requests, workload_name
+from bench.sim.traces import offered_load, scale_to_utilization
 
 BASELINE = "oracle"
+# The latency metrics reported next to their ratio to the oracle, in table order.
+RATIO_METRICS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
 # The issue's targets for least_load's TTFT p99: (other strategy, largest ratio).
 TARGETS = (("oracle", 1.25), ("local_least_inflight", 0.7), ("least_load_instantaneous", 0.8))
 
@@ -21,7 +24,7 @@ TARGETS = (("oracle", 1.25), ("local_least_inflight", 0.7), ("least_load_instant
 class SimRun:
     """One trace, one fleet, several strategies."""
 
-    trace: str
+    trace: str | None  # None: the built-in synthetic workload
     limit: int | None
     utilization: float | None  # the target; None = replayed as recorded
     offered: float  # offered load after scaling (the definition in traces.py)
@@ -65,7 +68,7 @@ class SimRun:
 
 
 def run_trace(
-    trace: str | Path,
+    trace: str | Path | None,
     *,
     utilization: float | None = 0.8,
     limit: int | None = None,
@@ -73,9 +76,10 @@ def run_trace(
     config: SimConfig | None = None,
     progress: Progress | None = None,
 ) -> SimRun:
-    """Load a trace, scale it to `utilization` (None: as recorded) and compare strategies."""
+    """Load a trace (None: the synthetic workload), scale it to `utilization` (None: as
+    recorded) and compare strategies."""
     config = config or SimConfig()
-    requests = load_trace(trace, limit)
+    requests = load_requests(trace, limit, config.seed)
     if utilization is not None:
         requests = scale_to_utilization(requests, config.timing, config.instances, utilization)
     offered = (
@@ -83,7 +87,8 @@ def run_trace(
     )
     results = compare(requests, strategies, config, progress)
     span = requests[-1].arrival_ms - requests[0].arrival_ms
-    return SimRun(str(trace), limit, utilization, offered, span, config, results)
+    name = None if trace is None else str(trace)
+    return SimRun(name, limit, utilization, offered, span, config, results)
 
 
 def ratios(results: Sequence[StrategyResult]) -> dict[str, dict[str, float]]:
@@ -91,9 +96,8 @@ def ratios(results: Sequence[StrategyResult]) -> dict[str, dict[str, float]]:
     base = next((r for r in results if r.strategy == BASELINE), None)
     if base is None:
         return {}
-    names = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
     return {
-        r.strategy: {name: _ratio(getattr(r, name), getattr(base, name)) for name in names}
+        r.strategy: {name: _ratio(getattr(r, name), getattr(base, name)) for name in RATIO_METRICS}
         for r in results
     }
 
@@ -110,6 +114,17 @@ def target_checks(results: Sequence[StrategyResult]) -> list[tuple[str, float, f
             ratio = _ratio(mine.ttft_p99_ms, by_name[other].ttft_p99_ms)
             out.append((other, limit, ratio, ratio <= limit))
     return out
+
+
+def json_ready(value: Any) -> Any:
+    """NaN (a metric with no sample) becomes None, recursively: JSON has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_ready(v) for v in value]
+    return value
 
 
 def _ratio(value: float, base: float) -> float:
@@ -135,17 +150,12 @@ def markdown_table(results: Sequence[StrategyResult]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        b = base
+        latencies = " | ".join(
+            _cell(getattr(r, name), getattr(base, name) if base else None) for name in RATIO_METRICS
+        )
         lines.append(
-            f"| {r.strategy} "
-            f"| {_cell(r.ttft_p50_ms, b.ttft_p50_ms if b else None)} "
-            f"| {_cell(r.ttft_p90_ms, b.ttft_p90_ms if b else None)} "
-            f"| {_cell(r.ttft_p99_ms, b.ttft_p99_ms if b else None)} "
-            f"| {_cell(r.e2e_p50_ms, b.e2e_p50_ms if b else None)} "
-            f"| {_cell(r.e2e_p99_ms, b.e2e_p99_ms if b else None)} "
-            f"| {_ms(r.queue_wait_mean_ms)} "
-            f"| {r.imbalance:.3f} "
-            f"| {r.completed}/{r.requests} |"
+            f"| {r.strategy} | {latencies} | {_ms(r.queue_wait_mean_ms)} "
+            f"| {r.imbalance:.3f} | {r.completed}/{r.requests} |"
         )
     return "\n".join(lines)
 
@@ -168,8 +178,8 @@ def describe(run: SimRun) -> str:
     n = run.results[0].requests if run.results else 0
     util = "as recorded" if run.utilization is None else f"{run.utilization:g}"
     return (
-        f"{n} requests from `{Path(run.trace).name}`"
-        f"{f' (the first {run.limit})' if run.limit and n >= run.limit else ''}, "
+        f"{n} requests from {workload_name(run.trace, c.seed)}"
+        f"{f' (the first {run.limit})' if run.trace and run.limit and n >= run.limit else ''}, "
         f"utilization {util} "
         f"(offered {run.offered:.3f}, arrivals over {run.span_ms / 1000:,.1f} s), "
         f"{c.instances} instances, {c.nodes} nodes, hints every {c.hint_interval_ms:g} ms, "

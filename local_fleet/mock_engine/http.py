@@ -44,7 +44,7 @@ from local_fleet.mock_engine.engine import (
     MockEngine,
     RequestStream,
 )
-from proxy_node.engine_registration import Registrar
+from proxy_node.engine_registration import Registrar, RegistrationDeniedError
 from proxy_node.entry import standalone_main
 
 CONFIG_KEY = web.AppKey("mock_engine_config", MockEngineConfig)
@@ -52,6 +52,7 @@ ENGINE_KEY = web.AppKey("mock_engine", MockEngine)
 METRICS_KEY = web.AppKey("mock_engine_metrics", EngineMetrics)
 FAULTS_KEY = web.AppKey("mock_engine_faults", FaultPicker)
 REGISTRAR_KEY = web.AppKey("mock_engine_registrar", Registrar)
+REGISTRATION_KEY = web.AppKey("mock_engine_registration", list[asyncio.Task[None]])
 
 log = logging.getLogger(__name__)
 
@@ -352,9 +353,11 @@ async def _registration(app: web.Application) -> AsyncIterator[None]:
     registrar = app[REGISTRAR_KEY]
     async with registrar:
         task = asyncio.create_task(registrar.run(), name="mock-engine-registration")
+        app[REGISTRATION_KEY].append(task)  # serve() stops the engine if it fails
         yield
         task.cancel()
-        with suppress(asyncio.CancelledError):
+        # A denied registration was reported by serve(); it ends the task, not shutdown.
+        with suppress(asyncio.CancelledError, RegistrationDeniedError):
             await task
         await registrar.unregister()
 
@@ -389,6 +392,7 @@ def create_app(config: MockEngineConfig) -> web.Application:
                 "engine_waiting": float(engine.model.num_waiting),
             }
 
+        app[REGISTRATION_KEY] = []
         app[REGISTRAR_KEY] = Registrar(
             config.register,
             config.instance_spec(engine.started_ms),
@@ -420,6 +424,11 @@ class RunningMockEngine:
     def engine(self) -> MockEngine:
         """The engine inside (for in-process inspection)."""
         return self.app[ENGINE_KEY]
+
+    def registration(self) -> asyncio.Task[None] | None:
+        """The task keeping the engine registered (None without --register)."""
+        tasks = self.app.get(REGISTRATION_KEY) or []
+        return tasks[0] if tasks else None
 
     async def stop(self) -> None:
         """Stop serving, abort requests in flight, unregister (idempotent)."""
@@ -465,9 +474,22 @@ async def start_mock_engine(config: MockEngineConfig) -> RunningMockEngine:
     return RunningMockEngine(app, runner, config)
 
 
+class MockEngineError(Exception):
+    """The mock engine cannot run (port taken, registration denied); one line says why."""
+
+
 async def serve(config: MockEngineConfig) -> None:
-    """Run a mock engine until SIGINT or SIGTERM, then stop it cleanly."""
-    running = await start_mock_engine(config)
+    """Run a mock engine until SIGINT or SIGTERM, then stop it cleanly.
+
+    Raises MockEngineError when the port cannot be bound or the control plane
+    refuses the engine's credentials.
+    """
+    try:
+        running = await start_mock_engine(config)
+    except OSError as exc:
+        raise MockEngineError(
+            f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}"
+        ) from exc
     timing = running.config.timing()
     log.info(
         "mock engine %r on %s: max_batch %d, speed %g, prefill %.3g ms + %.3g ms/token, "
@@ -486,11 +508,23 @@ async def serve(config: MockEngineConfig) -> None:
     signals = (signal.SIGINT, signal.SIGTERM)
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(stop.wait())}
+    registration = running.registration()
+    if registration is not None:
+        waits.add(registration)
     try:
-        await stop.wait()
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if registration is not None and registration.done() and not registration.cancelled():
+            failure = registration.exception()
+            if failure is not None:
+                raise MockEngineError(
+                    f"registration with {config.register} failed: {failure}"
+                ) from failure
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
+        for wait in waits - {registration}:
+            wait.cancel()
         await running.stop()
 
 
@@ -501,7 +535,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"mock-engine: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except MockEngineError as exc:
+        print(f"mock-engine: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

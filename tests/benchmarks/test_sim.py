@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from bench.live import load_slice
 from bench.sim.report import markdown, run_trace
 from bench.sim.shared_state import SharedState
 from bench.sim.simulator import (
@@ -25,6 +26,7 @@ from bench.sim.simulator import (
     percentile,
     simulate,
 )
+from bench.sim.synthetic import SyntheticWorkload, synthetic_requests
 from bench.sim.traces import (
     TraceError,
     TraceRequest,
@@ -321,6 +323,57 @@ def test_cli_markdown_progress_and_errors(
     assert "bad.csv:2: TIMESTAMP" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_args("sim", "--trace", str(path), "--strategies", "fastest")
+
+
+# ---------------------------------------------------------------------- the built-in workload
+
+
+def test_synthetic_workload_is_seeded_and_has_its_documented_shape() -> None:
+    workload = SyntheticWorkload()
+    reqs = workload.requests(2000, seed=3)
+    assert reqs == workload.requests(2000, seed=3)
+    assert reqs != workload.requests(2000, seed=4)
+    assert [r.index for r in reqs] == list(range(2000))
+    arrivals = [r.arrival_ms for r in reqs]
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals)
+    prompts = sorted(r.prompt_tokens for r in reqs)
+    outputs = sorted(r.output_tokens for r in reqs)
+    assert 16 <= prompts[0] and prompts[-1] <= 16_384
+    assert 1 <= outputs[0] and outputs[-1] <= 2048
+    # Medians near the documented 1,024 and 128 (seeded: the same numbers every run).
+    assert 900 <= prompts[1000] <= 1150 and 110 <= outputs[1000] <= 145
+    # Bursts: arrivals per second in burst windows are about 4x those in calm ones
+    # (arrivals are re-based to the first one, a fraction of a second off the phase).
+    burst = sum(workload.rate(r.arrival_ms / 1000) > workload.calm_rps for r in reqs)
+    burst_time = workload.burst_s / (workload.calm_s + workload.burst_s)
+    ratio = (burst / burst_time) / ((len(reqs) - burst) / (1 - burst_time))
+    assert 3.0 <= ratio <= 5.0, ratio
+
+
+def test_sim_cli_without_a_trace_runs_the_synthetic_workload(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ("sim", "--limit", "300", "--strategies", "least_load,oracle", "--quiet")
+    assert bench_cli.run(bench_args(*argv, "--json")) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["trace"] is None and first["requests"] == 300
+    assert all(r["completed"] == 300 for r in first["results"])
+    assert bench_cli.run(bench_args(*argv, "--json")) == 0
+    assert json.loads(capsys.readouterr().out) == first  # deterministic
+    assert bench_cli.run(bench_args(*argv)) == 0
+    out = capsys.readouterr().out
+    assert "300 requests from the built-in synthetic workload (seed 0)" in out
+    assert "Regenerate: `coordinator bench sim --utilization 0.8 --strategies" in out
+    assert "--trace" not in out
+
+
+def test_live_slice_without_a_trace_is_the_synthetic_workload() -> None:
+    rows = load_slice(None, 100, 50, None, 4, seed=5)
+    again = synthetic_requests(150, 5)[100:]
+    assert [(r.prompt_tokens, r.output_tokens) for r in rows] == [
+        (r.prompt_tokens, r.output_tokens) for r in again
+    ]
+    assert rows[0].arrival_ms == 0 and [r.index for r in rows] == list(range(50))
 
 
 # ---------------------------------------------------------------------- shared state vs Lua

@@ -381,6 +381,18 @@ class Load:
         """How many requests completed fine (optionally: through a node, sent after a time)."""
         return sum(r.ok for r in self.ended(node, after))
 
+    async def wait_more_completed(
+        self, count: int = 8, what: str = "serving after recovery"
+    ) -> None:
+        """Wait until `count` more requests than now have completed fine."""
+        served = self.completed()
+        await wait_until(lambda: self.completed() >= served + count, 20, what)
+
+    def assert_none_failed(self) -> None:
+        """Every request so far ended fine (none failed, none stalled past its timeout)."""
+        bad = [str(r) for r in self.results if not r.ok]
+        assert not bad, bad
+
     def open_on(self, *, node: Node | None = None, instance: str | None = None) -> list[Outcome]:
         """Streams open now, optionally through one node or on one instance."""
         return [
@@ -515,6 +527,19 @@ class Fleet:
         engine = Engine(instance_id, port, self._proc(name, args))
         self.engines.append(engine)
         return engine
+
+    async def start_two_by_two(
+        self, env: dict[str, str] | None = None, env_b: dict[str, str] | None = None
+    ) -> tuple[Node, Node, Engine, Engine]:
+        """node-a and node-b (`env_b` defaults to `env`), then engine-0 registered through
+        node-a and engine-1 through node-b; returns once both instances are alive."""
+        a = self.add_node("node-a", env=env)
+        b = self.add_node("node-b", env=env if env_b is None else env_b)
+        await self.start(a, b)
+        e0, e1 = self.add_engine("engine-0", via=a), self.add_engine("engine-1", via=b)
+        await self.start(e0, e1)
+        await self.wait_alive(2)
+        return a, b, e0, e1
 
     async def start(self, *items: Node | Engine) -> None:
         """Start processes and wait until each answers its health check."""

@@ -29,10 +29,7 @@ def crash_every_fourth(n: int) -> str | None:
 
 
 async def test_engine_crash_mid_stream_cuts_only_that_stream_and_releases(fleet: Fleet) -> None:
-    a, b = fleet.add_node("node-a"), fleet.add_node("node-b")
-    await fleet.start(a, b)
-    await fleet.start(fleet.add_engine("engine-0", via=a), fleet.add_engine("engine-1", via=b))
-    await fleet.wait_alive(2)
+    a, b, _, _ = await fleet.start_two_by_two()
     async with Load(
         fleet.http, [a, b], concurrency=8, max_tokens=[40, 100], fault=crash_every_fourth
     ) as load:
@@ -55,11 +52,7 @@ async def test_engine_crash_mid_stream_cuts_only_that_stream_and_releases(fleet:
 
 
 async def test_engine_restart_voids_old_epoch_and_serving_continues(fleet: Fleet) -> None:
-    a, b = fleet.add_node("node-a"), fleet.add_node("node-b")
-    await fleet.start(a, b)
-    e0, e1 = fleet.add_engine("engine-0", via=a), fleet.add_engine("engine-1", via=b)
-    await fleet.start(e0, e1)
-    await fleet.wait_alive(2)
+    a, b, e0, _ = await fleet.start_two_by_two()
     async with Load(fleet.http, [a, b], concurrency=8, max_tokens=[40, 150]) as load:
         await wait_until(lambda: len(load.open_on(instance="engine-0")) >= 2, 20, "streams on e0")
         old_epoch = (await fleet.state()).epochs["engine-0"]
@@ -106,11 +99,7 @@ async def test_requests_meeting_a_dead_engine_are_retried_on_another(fleet: Flee
     requests keep being routed to it, fail to connect, and must be retried elsewhere."""
     # The dead engine stays registered (and looks idle) for the whole test.
     env = {"COORD_INSTANCE_TTL_MS": "60000"}
-    a, b = fleet.add_node("node-a", env=env), fleet.add_node("node-b", env=env)
-    await fleet.start(a, b)
-    e0, e1 = fleet.add_engine("engine-0", via=a), fleet.add_engine("engine-1", via=b)
-    await fleet.start(e0, e1)
-    await fleet.wait_alive(2)
+    a, b, e0, _ = await fleet.start_two_by_two(env)
     async with Load(fleet.http, [a, b], concurrency=16, max_tokens=30) as load:
         await wait_until(lambda: load.completed() >= 10, 20, "load under way")
         e0.proc.kill()
@@ -131,11 +120,7 @@ async def test_frozen_engine_replaced_voids_its_reservations_at_once(fleet: Flee
     The new registration voids the frozen streams' reservations while those streams
     are still open; their releases, when the frozen process finally dies, change nothing.
     """
-    a, b = fleet.add_node("node-a"), fleet.add_node("node-b")
-    await fleet.start(a, b)
-    e0, e1 = fleet.add_engine("engine-0", via=a), fleet.add_engine("engine-1", via=b)
-    await fleet.start(e0, e1)
-    await fleet.wait_alive(2)
+    a, b, e0, _ = await fleet.start_two_by_two()
     async with Load(fleet.http, [a, b], concurrency=8, max_tokens=[40, 150]) as load:
         await wait_until(lambda: len(load.open_on(instance="engine-0")) >= 2, 20, "streams on e0")
         e0.proc.send(signal.SIGSTOP)

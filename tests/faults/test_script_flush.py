@@ -25,10 +25,7 @@ async def test_script_flush_under_load_costs_no_request(
     private_fleet: Fleet, measure: Measure
 ) -> None:
     fleet = private_fleet  # a flush empties the script cache of the whole server
-    a, b = fleet.add_node("node-a"), fleet.add_node("node-b")
-    await fleet.start(a, b)
-    await fleet.start(fleet.add_engine("engine-0", via=a), fleet.add_engine("engine-1", via=b))
-    await fleet.wait_alive(2)
+    a, b, _, _ = await fleet.start_two_by_two()
     noscript_before = (await fleet.client.info("errorstats")).get("errorstat_NOSCRIPT", {})
     async with Load(fleet.http, [a, b], concurrency=8, max_tokens=[200, 20]) as load:
         await wait_until(lambda: load.completed() >= 10, 20, "load under way")
@@ -47,8 +44,7 @@ async def test_script_flush_under_load_costs_no_request(
     # The flushes hit scripts in use: nodes got NOSCRIPT, and reloaded without a trace.
     assert noscript >= 1
     assert during >= 10, "too few requests ran among the flushes to prove anything"
-    bad = [str(r) for r in load.results if not r.ok]
-    assert not bad, bad
+    load.assert_none_failed()
     for node in (a, b):
         assert await fleet.coordination(node) == "ok"
         assert await fleet.metric(node, "proxy_coordination_degraded_entries_total") == 0

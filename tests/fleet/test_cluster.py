@@ -139,6 +139,9 @@ def test_cluster_command_leaves_nothing_behind_after_sigterm(tmp_path: Path) -> 
                 break
         assert any("cluster is up" in line for line in lines), "".join(lines)
         assert any("redis-cli" in line for line in lines)
+        # The private server is named: its binary's path and version.
+        server = next(line for line in lines if line.startswith("redis "))
+        assert "(private: /" in server and "-server, " in server and " v=" in server, server
         children = _children(proc.pid)
         assert len(children) == 5  # redis + 2 nodes + 2 engines
         # The server runs inside its temporary directory (--dir): its cwd is that directory.
@@ -160,8 +163,12 @@ def test_cluster_command_leaves_nothing_behind_after_sigterm(tmp_path: Path) -> 
     assert not redis_dirs[0].exists()
 
 
-def test_demo_runs_and_prints_its_table() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+def test_demo_runs_prints_its_table_and_leaves_no_key(redis_url: str) -> None:
+    # Against a Redis of the user's (REDIS_URL), as the README offers.
+    env = {**os.environ, "REDIS_URL": redis_url}
+    client = Redis.from_url(redis_url)
+    other = "lc:{demo2}:meta"  # another pool's key: the demo must not touch it
+    client.set(other, "x")
     base = free_port_block(3, 4)
     out = subprocess.run(
         [
@@ -187,3 +194,47 @@ def test_demo_runs_and_prints_its_table() -> None:
     assert "TTFT p50" in out.stdout and "ALL" in out.stdout
     assert "least_load pressure over time" in out.stdout
     assert " 0 failed" in out.stdout
+    # The closing hint says where to look, with the Redis URL, and why the pool is empty.
+    assert f"coordinator inspect --redis-url {redis_url} --pool demo" in out.stdout
+    assert "keys were deleted" in out.stdout
+    try:
+        assert list(client.scan_iter(match="lc:{demo}:*")) == []
+        assert client.get(other) == b"x"
+    finally:
+        client.delete(other)
+        client.close()
+
+
+def test_cluster_exits_1_with_the_childs_last_line_when_a_child_dies() -> None:
+    base = free_port_block(1, 1)
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    argv = ["cluster", "--nodes", "1", "--engines", "1", "--base-port", str(base)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator_cli.main", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "cluster is up" in line:
+                break
+        assert any("cluster is up" in line for line in lines), "".join(lines)
+        engine = next(
+            pid
+            for pid in _children(proc.pid)
+            if b"local_fleet.mock_engine" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        )
+        os.kill(engine, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, err
+    assert "engine-0 exited with code -9; stopping" in err
+    assert "stopped." in out

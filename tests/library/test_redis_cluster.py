@@ -1,6 +1,6 @@
 """The core invariants on a real 3-primary Redis Cluster, with pools on different shards.
 
-Pool names are chosen by hash slot (tests/topologies.place_pools) so that the pools of
+Pool names are chosen by hash slot (local_fleet/topologies.place_pools) so that the pools of
 one test live on at least two different primaries; every test works only in its own
 pools and deletes their keys afterwards.
 """
@@ -21,9 +21,9 @@ from coordinator.scripts import SCRIPT_NAMES
 from local_fleet.embedded import ServerUnavailableError
 from tests.fake_engine import settled
 from tests.helpers import assert_counters_match_reservations, counters, delete_pool, spec, wait_for
-from tests.topologies import LocalCluster, PoolPlacement, TopologyHarness, place_pools
+from tests.topologies import LocalRedisCluster, PoolPlacement, TopologyHarness, place_pools
 
-pytestmark = [pytest.mark.real, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.slow, pytest.mark.real, pytest.mark.timeout(60)]
 
 SETTINGS = Settings(redis_timeout_ms=1000, recovery_interval_ms=50, instance_ttl_ms=60_000)
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
@@ -31,15 +31,15 @@ CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}
 MakeNode = Callable[[str, str], Awaitable[Coordinator]]
 
 
-def _start_cluster() -> LocalCluster:
+def _start_cluster() -> LocalRedisCluster:
     try:
-        return LocalCluster(3).start()
+        return LocalRedisCluster(3).start()
     except ServerUnavailableError as exc:
         pytest.skip(f"cannot run a local Redis Cluster: {exc}")
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
+def cluster() -> Iterator[LocalRedisCluster]:
     """One 3-primary cluster shared by the module's tests (each in its own pools)."""
     topology = _start_cluster()
     try:
@@ -49,13 +49,13 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 @pytest.fixture
-def placement(cluster: LocalCluster) -> PoolPlacement:
+def placement(cluster: LocalRedisCluster) -> PoolPlacement:
     """Three fresh pool names, one per primary."""
     return place_pools(cluster, 3, f"c{uuid.uuid4().hex[:6]}-")
 
 
 @pytest.fixture
-async def make_node(cluster: LocalCluster) -> AsyncIterator[MakeNode]:
+async def make_node(cluster: LocalRedisCluster) -> AsyncIterator[MakeNode]:
     """Factory of Coordinators over the cluster URL; closes them and deletes their pools."""
     made: list[Coordinator] = []
 
@@ -79,7 +79,7 @@ async def make_node(cluster: LocalCluster) -> AsyncIterator[MakeNode]:
                 await client.aclose()
 
 
-async def _keys_by_port(cluster: LocalCluster, pattern: str) -> dict[int, set[str]]:
+async def _keys_by_port(cluster: LocalRedisCluster, pattern: str) -> dict[int, set[str]]:
     out: dict[int, set[str]] = {}
     for server in cluster.primaries:
         client = Redis.from_url(server.url, decode_responses=True)
@@ -91,7 +91,7 @@ async def _keys_by_port(cluster: LocalCluster, pattern: str) -> dict[int, set[st
 
 
 async def test_each_pool_lives_whole_on_its_own_primary(
-    cluster: LocalCluster, placement: PoolPlacement, make_node: MakeNode
+    cluster: LocalRedisCluster, placement: PoolPlacement, make_node: MakeNode
 ) -> None:
     assert len(set(placement.owners.values())) == 3
     for pool in placement.pools:
@@ -163,7 +163,7 @@ async def test_herding_burst_spreads_evenly_on_two_shards(
 
 
 async def test_noscript_after_script_flush_on_every_primary(
-    cluster: LocalCluster, placement: PoolPlacement, make_node: MakeNode
+    cluster: LocalRedisCluster, placement: PoolPlacement, make_node: MakeNode
 ) -> None:
     nodes = [await make_node(pool, "n1") for pool in placement.pools]
     held = []
@@ -249,7 +249,7 @@ async def test_losing_one_primary_degrades_only_its_pools() -> None:
 
 
 async def test_two_proxy_nodes_over_the_cluster(
-    cluster: LocalCluster, placement: PoolPlacement
+    cluster: LocalRedisCluster, placement: PoolPlacement
 ) -> None:
     pool = placement.pools[2]
     owner = cluster.owner_of(PoolKeys("lc", pool).column("meta"))

@@ -25,7 +25,7 @@ from tests.fake_engine import FakeEngine, _sse, settled
 from tests.helpers import assert_counters_match_reservations, spec, wait_for
 from tests.topologies import LocalSentinel, TopologyHarness
 
-pytestmark = [pytest.mark.real, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.slow, pytest.mark.real, pytest.mark.timeout(60)]
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
 TIMEOUT = aiohttp.ClientTimeout(total=20)

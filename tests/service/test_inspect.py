@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from rich.console import Console
 from coordinator import Coordinator, Settings
 from coordinator_cli.main import build_parser
 from local_fleet.embedded import free_port
-from proxy_node.inspect import NODE_ID, read_pool, render
+from proxy_node.inspect import NODE_ID, PoolState, read_pool, render
 from tests.fake_engine import Harness
 from tests.helpers import delete_pool, spec, wait_for
 
@@ -152,7 +153,7 @@ async def test_json_equals_the_nodes_debug_view(
     assert [rows[i]["inflight"] for i in ("i0", "i1", "i2", "i3")] == [3, 2, 1, 0]
     assert (rows["i0"]["pending_prefill_count"], rows["i0"]["active_decode_count"]) == (2, 1)
     assert rows["gone"]["alive"] is False and rows["gone"]["rank"] is None
-    assert [rows[i]["rank"] for i in ("i3", "i2", "i1", "i0")] == [0, 1, 2, 3]
+    assert [rows[i]["rank"] for i in ("i3", "i2", "i1", "i0")] == [0, 1, 2, 3]  # as served
     assert rows["i1"]["hints"]["engine_running"]["value"] == 2.0
     # Reading took no lease: only the node is in the pool's node set.
     nodes = await node.coordinator.redis.zrange(node.coordinator.keys.column("nodes"), 0, -1)
@@ -187,9 +188,13 @@ async def test_tables_show_instances_leases_and_phases(
     rows = {cells[1]: cells for cells in map(str.split, lines) if cells[1:2] and cells[1] in ids}
     assert set(rows) == {"gone", "i0", "i1", "i2", "i3"}
     assert rows["gone"][:3] == ["-", "gone", "stale"]
-    # rank, id, state, epoch, inflight, prefill, decode
-    assert rows["i0"][:7] == ["3", "i0", "alive", "1", "3", "2", "1"]
-    assert rows["i3"][:7] == ["0", "i3", "alive", "1", "0", "0", "0"]
+    # rank (1 = chosen first), id, state, epoch, inflight, prefill, decode
+    assert rows["i0"][:7] == ["4", "i0", "alive", "1", "3", "2", "1"]
+    assert rows["i3"][:7] == ["1", "i3", "alive", "1", "0", "0", "0"]
+    # Rows in rank order, the unranked (dead) instance last.
+    order = [cells[1] for cells in map(str.split, lines) if cells[1:2] and cells[1] in ids]
+    assert order == ["i3", "i2", "i1", "i0", "gone"]
+    assert "hidden" not in out  # every column fits the 160 columns of a pipe
     assert "run" in rows["i1"] and "wait" in rows["i1"]  # hint ages
     lease = next(line for line in lines if line.split()[:1] == ["node-a"])
     assert lease.split()[-1].endswith("s") and float(lease.split()[-1][:-1]) > 0
@@ -206,6 +211,73 @@ async def test_tables_show_instances_leases_and_phases(
     console = Console(record=True, width=150, file=io.StringIO(), force_terminal=True)
     console.print(render(state, redis_url))
     await asyncio.to_thread(_save_svg, console, ARTIFACTS / "inspect_watch.svg")
+
+
+def busy_pool(instances: int = 16) -> PoolState:
+    """A reading with wide values everywhere: long ids, 3 stale hints, 5-digit backlogs."""
+    rows = [
+        {
+            "id": f"gpu-node-{i:02d}",
+            "rank": instances - 1 - i,
+            "alive": True,
+            "epoch": 12,
+            "inflight": 128,
+            "pending_prefill_count": 64,
+            "active_decode_count": 64,
+            "next_slot_ready_in_ms": 12345,
+            "prefill_free_in_ms": 12345,
+            "predicted_total_backlog_ms": 12345,
+            "hints": {
+                name: {"age_ms": 12345, "fresh": False}
+                for name in ("engine_running", "engine_waiting", "queue_depth")
+            },
+            "least_load_score": {
+                "total": 1234.567,
+                "weighted_components": {"inflight": 128.0, "engine_running": 64.0},
+            },
+        }
+        for i in range(instances)
+    ]
+    loads = {
+        "generated_at": 1_796_000_000_000,
+        "instances": rows,
+        "pool": "chat",
+        "coordination": "ok",
+        "strategy": "least_load",
+        "version": 123456,
+    }
+    return PoolState(loads, [("node-a", 1_796_000_009_000)], {"prefill": 3})
+
+
+def rendered(state: PoolState, width: int) -> str:
+    console = Console(width=width, file=io.StringIO(), highlight=False)
+    console.print(render(state, "redis://127.0.0.1:6379/0", width))
+    text = console.file.getvalue()
+    assert isinstance(text, str)
+    return text
+
+
+def test_a_busy_pool_fits_160_columns_and_narrower_terminals_hide_columns() -> None:
+    text = rendered(busy_pool(), 160)
+    assert "hidden" not in text
+    header = next(line for line in text.splitlines() if line.split()[:2] == ["rank", "instance"])
+    for name in ("epoch", "slot ms", "prefill free", "backlog ms", "hint ages", "top components"):
+        assert name in header
+    assert max(map(len, text.splitlines())) <= 160
+    # One hint age for hints of the same heartbeat.
+    assert "run wait queue 12.3s" in text
+    # Ranked 1.. in rank order whatever the ids say.
+    ranks = [line.split()[:2] for line in text.splitlines() if "gpu-node-" in line]
+    assert ranks[:2] == [["1", "gpu-node-15"], ["2", "gpu-node-14"]]
+
+    narrow = rendered(busy_pool(), 100)
+    assert max(map(len, narrow.splitlines())) <= 100
+    caption = next(line for line in narrow.splitlines() if "hidden" in line)
+    assert caption.split()[1] == "columns" and int(caption.split()[0]) > 1
+    # Just one column too wide: the caption says so in the singular.
+    full = max(map(len, text.splitlines()))
+    one_short = rendered(busy_pool(), full - 1)
+    assert "1 column hidden: widen the terminal or use --json" in one_short
 
 
 def _save_svg(console: Console, path: Path) -> None:
@@ -237,6 +309,40 @@ def test_unreachable_redis_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     assert "error: Redis at redis://***@127.0.0.1:" in captured.err
     assert "cannot read pool 'p'" in captured.err and "hunter2" not in captured.err
     assert run_inspect("--redis-url", "http://127.0.0.1:1", "--pool", "p") == 2
+
+
+async def test_watch_into_a_pipe_prints_plain_frames(
+    quiet_pool: Coordinator, redis_url: str, pool: str
+) -> None:
+    env = clean_env(COORD_REDIS_URL=redis_url, COORD_POOL=pool)
+    proc = await asyncio.create_subprocess_exec(
+        *CLI,
+        "--watch",
+        "0.1",
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    try:
+        # Frames follow one another, like `top -b`: read until the third one starts.
+        while sum("reservations 6: prefill 5, decode 1" in line for line in lines) < 2:
+            line = await asyncio.wait_for(proc.stdout.readline(), 20)
+            assert line, f"the watch wrote no frame into a pipe: {lines}"
+            lines.append(line.decode())
+        proc.send_signal(signal.SIGINT)
+        rest, err = await asyncio.wait_for(proc.communicate(), 20)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    out = "".join(lines) + rest.decode()
+    assert proc.returncode == 0, err.decode()
+    assert "\x1b[" not in out  # plain text: no cursor movement, no colour
+    assert out.count("node leases") >= 2
+    assert "Traceback" not in err.decode()
 
 
 class Tmux:
