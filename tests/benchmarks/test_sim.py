@@ -392,7 +392,8 @@ async def lua_state(c: Any) -> dict[str, Any]:
         cols[name] = {k: int(v) for k, v in (await c.redis.hgetall(c.keys.column(name))).items()}
     ends: dict[str, int] = {}
     for member in await c.redis.zrange(c.keys.column("by_instance"), 0, -1):
-        iid, end, _ = member.split("|", 2)
+        stem, end, _ = member.split("|", 2)
+        iid = stem.rsplit("#", 1)[0]  # '<id>#<epoch>' (lua/_lib.lua lex_member)
         ends[iid] = min(ends.get(iid, int(end)), int(end))
     return {"columns": cols, "earliest_end": ends, "records": await live_reservations(c)}
 
