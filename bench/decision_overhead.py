@@ -100,9 +100,10 @@ def run_case(url: str, instances: int, nodes: int, decisions: int, max_age: int)
 
 def cases() -> list[tuple[int, int, int]]:
     """(instances, nodes, snapshot_max_age_ms) of the grid."""
-    grid = [(n, 1, 25) for n in (16, 64, 256, 1024)]
+    default = Settings().snapshot_max_age_ms
+    grid = [(n, 1, default) for n in (16, 64, 256, 1024)]
     grid += [(n, 1, 0) for n in (16, 64, 256, 1024)]
-    grid += [(n, k, 25) for k in (3, 8) for n in (16, 1024)]
+    grid += [(n, k, default) for k in (3, 8) for n in (16, 1024)]
     return grid
 
 
@@ -119,9 +120,9 @@ def render(rows: list[dict[str, Any]], decisions: int, server: str, command: str
         "",
         f"`{command} --write-docs` — "
         f"{decisions} decisions per node per case, each node its own process, {server}. "
-        "`max_age` is `snapshot_max_age_ms`: 25 (default) reuses the delta piggybacked on "
-        "the node's previous script reply when it is younger than 25 ms; 0 reads the "
-        "snapshot before every decision (two round trips).",
+        f"`max_age` is `snapshot_max_age_ms`: {Settings().snapshot_max_age_ms} (default) "
+        "decides on the packed pool state the node's previous reserve reply carried "
+        "when it is younger than that; 0 reads it before every decision (two round trips).",
         "",
         "| instances | nodes | max_age ms | p50 µs | p99 µs | PING p50 µs | p50 / PING | "
         "p50 / p50@16 | Redis calls per request |",
