@@ -295,7 +295,6 @@ class Coordinator:
             active_decode=0,
             prefill_free_at_ms=0,
             earliest_end_at_ms=None,
-            version=current.version if current else 0,
         )
         self._cache.membership += 1
         self._alive_when_degraded.add(spec.id)

@@ -172,7 +172,6 @@ class InstanceRow:
     active_decode: int
     prefill_free_at_ms: int
     earliest_end_at_ms: int | None
-    version: int
     hints: dict[str, Hint] = field(default_factory=dict)
 
 
@@ -185,7 +184,6 @@ class InstanceLoad:
     role: str
     weight: float
     epoch: int
-    version: int
     alive: bool
     last_seen_age_ms: int
     max_slots: int

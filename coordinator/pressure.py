@@ -44,7 +44,6 @@ def instance_load(
         role=spec.role,
         weight=spec.weight,
         epoch=row.epoch,
-        version=row.version,
         alive=now_ms - row.last_seen_ms <= instance_ttl_ms,
         last_seen_age_ms=max(0, now_ms - row.last_seen_ms),
         max_slots=row.max_slots,

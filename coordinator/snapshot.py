@@ -173,7 +173,6 @@ class PoolCache:
         entry = self.entries[iid]
         state = unpack_state(self.state, entry.slot)
         live = unpack_live(self.live, entry.slot)
-        current = self.rows.get(iid)
         self.rows_applied += 1
         self.dirty.add(iid)
         self.rows[iid] = InstanceRow(
@@ -187,7 +186,6 @@ class PoolCache:
             active_decode=state.active_decode,
             prefill_free_at_ms=state.prefill_free_at_ms,
             earliest_end_at_ms=state.earliest_end_at_ms or None,
-            version=(current.version + 1) if current is not None else 1,
             hints=live.hints,
         )
 

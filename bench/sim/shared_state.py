@@ -5,7 +5,7 @@ release}.lua operation by operation, so `coordinator.pressure.instance_load` and
 `coordinator.strategies` run unchanged on the `InstanceRow`s it produces. Times are
 integer ms passed in by the caller (the simulated Redis clock). Left out, because
 the simulator never exercises them: TTLs and leases, epoch bumps (every record's
-epoch matches), max_slots enforcement, and the candidate/version race of reserve
+epoch matches), max_slots enforcement, and the candidate load guard of reserve
 (simulated decisions are serialized, so the first candidate always wins).
 """
 
@@ -46,7 +46,6 @@ class _Instance:
     active_decode: int = 0
     pending_prefill_ms: int = 0
     prefill_free_at_ms: int = 0
-    version: int = 0
     hints: dict[str, Hint] = field(default_factory=dict)
     ends: dict[str, int] = field(default_factory=dict)  # rid -> end_at_ms (by_instance)
     row: InstanceRow | None = None  # cached; dropped on every change
@@ -56,14 +55,11 @@ class SharedState:
     """One pool's reservations and counters, as Redis holds them."""
 
     def __init__(self) -> None:
-        self.version = 0  # the pool version (meta.version)
         self._instances: dict[str, _Instance] = {}
         self._reservations: dict[str, SimReservation] = {}
 
     def _touch(self, inst: _Instance) -> None:
-        self.version += 1
-        inst.version += 1
-        inst.row = None
+        inst.row = None  # the packed record changed: rebuild the row
 
     def register(self, spec: InstanceSpec, now_ms: int) -> int:
         """register.lua for a new instance (or an update at the same epoch); the epoch."""
@@ -211,7 +207,6 @@ class SharedState:
                 active_decode=inst.active_decode,
                 prefill_free_at_ms=inst.prefill_free_at_ms,
                 earliest_end_at_ms=min(inst.ends.values()) if inst.ends else None,
-                version=inst.version,
                 hints=dict(inst.hints),
             )
         return inst.row

@@ -378,7 +378,6 @@ class Simulation:
                 active_decode=0,
                 prefill_free_at_ms=0,
                 earliest_end_at_ms=None,
-                version=0,
             )
             rows.append(
                 instance_load(

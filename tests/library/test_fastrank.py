@@ -58,7 +58,6 @@ def rows(draw: st.DrawFn) -> list[InstanceRow]:
                 active_decode=inflight - pending,
                 prefill_free_at_ms=NOW + draw(st.sampled_from([-50, 0, 30, 120])),
                 earliest_end_at_ms=draw(st.sampled_from([None, NOW - 5, NOW + 40])),
-                version=1,
                 hints=hints,
             )
         )
