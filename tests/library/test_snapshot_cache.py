@@ -4,7 +4,6 @@ bounded steps for long work, and starting over when Redis lost the pool."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -12,7 +11,6 @@ import pytest
 from coordinator import Coordinator
 from coordinator import coordinator as coordinator_module
 from coordinator.errors import CoordinationUnavailableError
-from coordinator.models import InstanceRow
 from coordinator.packed import LIVE_BYTES, STATE_BYTES
 from tests.conftest import MakeCoordinator
 from tests.helpers import (
