@@ -363,7 +363,9 @@ class Coordinator:
                 return
 
     def _live_due(self) -> bool:
-        return self._cache.live_age_ms() >= self.settings.live_refresh_ms
+        # Never older than a quarter of the instance TTL: liveness is judged from it.
+        s = self.settings
+        return self._cache.live_age_ms() >= min(s.live_refresh_ms, s.instance_ttl_ms / 4)
 
     async def _ensure_view(self) -> bool:
         """Make the cache fit to decide on; True when it re-read the pool state."""
@@ -401,20 +403,23 @@ class Coordinator:
         self._cache.apply_view(*view[:5])
         return True
 
-    async def _read_specs(self, call: Callable[..., Awaitable[Any]]) -> None:
-        """Bring the cache's specs up to the pool's spec_gen, in bounded steps."""
-        since, cursor, full = max(self._cache.spec_gen, 0), "", False
+    async def _read_specs(
+        self, call: Callable[..., Awaitable[Any]], cache: PoolCache | None = None
+    ) -> None:
+        """Bring a view's specs (the node's by default) up to the pool's spec_gen, in steps."""
+        cache = cache or self._cache
+        since, cursor, full = max(cache.spec_gen, 0), "", False
         gen = since
         collected: list[Any] = []
         while True:
             reply = await call("read_specs", [since, cursor, SPEC_READ_STEP])
             mode, nxt, entries = _text(reply[2]), _text(reply[3]), list(reply[4])
-            if _text(reply[0]) != self._cache.run_id:
+            if _text(reply[0]) != cache.run_id:
                 return  # the pool was lost meanwhile: the next view starts over
             if mode == "delta":
-                self._cache.apply_specs(entries)
+                cache.apply_specs(entries)
                 if not nxt:
-                    self._cache.spec_gen = int(reply[1])
+                    cache.spec_gen = int(reply[1])
                     return
                 since = int(nxt)
                 continue
@@ -422,9 +427,9 @@ class Coordinator:
                 full, gen = True, int(reply[1])
             collected += entries
             if nxt == "0":
-                self._cache.apply_specs(collected, full=True)
-                self._cache.spec_gen = gen
-                if self._cache.specs_behind:
+                cache.apply_specs(collected, full=True)
+                cache.spec_gen = gen
+                if cache.specs_behind:
                     since, cursor, full, collected = gen, "", False, []
                     continue
                 return
@@ -880,9 +885,13 @@ class Coordinator:
         for spec in list(self._registered.values()):
             with suppress(EpochFencedError):
                 await direct("register", [spec.id, spec.to_json(), spec.max_slots, spec.epoch])
-        self._cache.apply_view(*(await direct("read_state", [1]))[:5])
-        if self._cache.specs_behind:
-            await self._read_specs(direct)
+        # Read the pool into a new view and switch at once: degraded selection keeps
+        # using the old rows until then (the reads in between may take many steps).
+        fresh = PoolCache()
+        fresh.apply_view(*(await direct("read_state", [1]))[:5])
+        if fresh.specs_behind:
+            await self._read_specs(direct, fresh)
+        self._cache.take(fresh)
         # Renew between chunks: restoring thousands of reservations over a slow link
         # can take longer than the lease, and a peer would reap them meanwhile.
         renew_every = self.settings.lease_ms / 3000

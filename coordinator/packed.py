@@ -63,6 +63,21 @@ def as_bytes(value: Any) -> bytes:
     return b""
 
 
+def _digits(value: int, width: int) -> bytes:
+    """`value` (saturated) as `width` base-128 digits, like lua/_lib.lua be()."""
+    value = min(max(int(value), 0), 128**width - 1)
+    return bytes((value >> (7 * (width - 1 - k))) & 0x7F for k in range(width))
+
+
+def pack_live(record: LiveRecord) -> bytes:
+    """One `live` record, as heartbeat.lua writes it (for tools that edit liveness)."""
+    values = [record.last_seen_ms]
+    for name in HINT_NAMES:
+        hint = record.hints.get(name)
+        values += [round(hint.value * HINT_SCALE), hint.at_ms] if hint else [0, 0]
+    return b"".join(_digits(v, w) for v, w in zip(values, LIVE_FIELDS, strict=True))
+
+
 def _fields(blob: bytes, offset: int, widths: tuple[int, ...]) -> list[int]:
     out = []
     for width in widths:

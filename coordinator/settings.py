@@ -77,7 +77,7 @@ class Settings:
     # the view its last reserve returned; reserve re-checks the candidates' load, so
     # an old view can cost a retry but never herding. A node idle longer re-reads.
     snapshot_max_age_ms: int = 1_000  # 0 = read the pool state before every decision
-    live_refresh_ms: int = 2_000  # how often liveness and hints are re-read
+    live_refresh_ms: int = 2_000  # liveness and hints are re-read this often (<= ttl/4)
     strategy: str = "least_load"  # default selection strategy
     weights: Weights = field(default_factory=Weights)
 

@@ -189,6 +189,14 @@ class PoolCache:
             hints=live.hints,
         )
 
+    def take(self, other: PoolCache) -> None:
+        """Become `other` (a view read aside), as one change of membership."""
+        membership = self.membership
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(other, name))
+        self.membership = membership + 1 + other.membership
+        self.dirty = set(self.rows)
+
     def invalidate(self) -> None:
         """Force the next decision to re-read (after a change that carried no view)."""
         self._stale = True

@@ -37,8 +37,6 @@ def count_calls(c: Coordinator) -> Counter[str]:
     return calls
 
 
-
-
 async def assert_view_is_current(c: Coordinator, make_coordinator: MakeCoordinator) -> None:
     """The node's incrementally kept rows equal what a brand-new node reads."""
     fresh = await make_coordinator(f"fresh-{c.node_id}")

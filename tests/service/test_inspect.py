@@ -21,6 +21,7 @@ import pytest
 from rich.console import Console
 
 from coordinator import Coordinator, Settings
+from coordinator.packed import LIVE_BYTES, LiveRecord, pack_live
 from coordinator_cli.main import build_parser
 from local_fleet.embedded import free_port
 from proxy_node.inspect import NODE_ID, PoolState, read_pool, render
@@ -73,9 +74,12 @@ async def add_stale_instance(redis_url: str, pool: str, instance_id: str) -> Non
     )
     try:
         await c.register_instance(spec(instance_id, url="http://127.0.0.1:9"))
-        await c.redis.hset(
-            c.keys.column("last_seen_ms"), instance_id, await redis_now_ms(c) - 60_000
-        )
+        seen = await redis_now_ms(c) - 60_000
+        await c.redis.hset(c.keys.column("last_seen_ms"), instance_id, seen)
+        # ... and in the packed record nodes read (coordinator/packed.py).
+        slot = int(await c.redis.hget(c.keys.column("slot"), instance_id))
+        record = pack_live(LiveRecord(seen)).decode("ascii")
+        await c.redis.setrange(c.keys.column("live"), slot * LIVE_BYTES, record)
         await c.redis.zrem(c.keys.column("nodes"), "setup")  # leave no lease behind
     finally:
         await c.close()
