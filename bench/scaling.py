@@ -914,12 +914,13 @@ def reasons(r: Results) -> list[str]:
             f"- Part of that is fixed per call: EVALSHA of `return 1` costs {floor['empty']:.1f} µs "
             f"and the shared prelude with the {len(PoolKeys(PREFIX, 'x').columns)} pool keys "
             f"{floor['prelude']:.1f} µs, so three calls spend {3 * floor['prelude']:.0f} µs before "
-            "doing any work. `reserve` is the largest script: argument checks for its "
-            "candidates, the JSON record (cjson), the lex index member, the packed record."
+            "doing any work. `reserve` is the largest script; besides its commands it checks "
+            "its candidates' arguments, encodes the JSON record (cjson), builds the lex index "
+            "member and packs the state record (not profiled line by line)."
         )
         out.append(
             "- The remainder of the server CPU (CPU minus EVALSHA) is the event loop, parsing "
-            "three calls of 22 keys each, and writing the replies."
+            "three calls of 21 or 22 keys each, and writing the replies."
         )
         out.append("")
     bytes_miss = [x for x in r.targets if x["target"].startswith("bytes") and not x["met"]]
