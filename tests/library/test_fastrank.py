@@ -103,11 +103,11 @@ def test_fast_ranking_equals_reference(
 def test_incremental_sync_tracks_changes() -> None:
     cache = PoolCache()
     spec = InstanceSpec(id="a", url="http://127.0.0.1:1")
-    row = InstanceRow("a", spec, 1, NOW, 0, 0, 0, 0, NOW, None, 1)
+    row = InstanceRow("a", spec, 1, NOW, 0, 0, 0, 0, NOW, None)
     cache.rows = {
         "a": row,
         "b": InstanceRow(
-            "b", InstanceSpec(id="b", url="http://127.0.0.1:2"), 1, NOW, 0, 1, 1, 0, NOW, None, 1
+            "b", InstanceSpec(id="b", url="http://127.0.0.1:2"), 1, NOW, 0, 1, 1, 0, NOW, None
         ),
     }
     cache.membership = 1
@@ -117,7 +117,7 @@ def test_incremental_sync_tracks_changes() -> None:
         cache, NOW, Weights(), rr, instance_ttl_ms=TTL, hint_ttl_ms=HINT_TTL, k=1
     )
     assert first[0].id == "a"
-    cache.rows["a"] = InstanceRow("a", spec, 1, NOW, 0, 5, 5, 0, NOW, None, 2)
+    cache.rows["a"] = InstanceRow("a", spec, 1, NOW, 0, 5, 5, 0, NOW, None)
     cache.dirty.add("a")
     second, _ = columns.rank_least_load(
         cache, NOW, Weights(), rr, instance_ttl_ms=TTL, hint_ttl_ms=HINT_TTL, k=1
@@ -132,7 +132,7 @@ def test_every_total_inf_ranks_like_the_reference() -> None:
     for i in range(3):
         spec = InstanceSpec(id=f"i{i}", url="http://127.0.0.1:1")
         hints = {"engine_waiting": Hint(1e300, NOW)}
-        pool_rows.append(InstanceRow(spec.id, spec, 1, NOW, 0, i, 0, i, NOW, None, 1, hints))
+        pool_rows.append(InstanceRow(spec.id, spec, 1, NOW, 0, i, 0, i, NOW, None, hints))
     cache = PoolCache()
     cache.rows = {r.id: r for r in pool_rows}
     cache.membership = 1

@@ -31,7 +31,6 @@ def row(iid: str, **fields: Any) -> InstanceLoad:
         "role": "mixed",
         "weight": weight,
         "epoch": 1,
-        "version": 1,
         "alive": True,
         "last_seen_age_ms": 0,
         "max_slots": 0,
