@@ -604,9 +604,14 @@ class Coordinator:
         prefill_ms, decode_ms = int(reply[4]), int(reply[5])
         row = self._cache.rows.get(iid)
         url = row.spec.url if row else ""
-        if rid not in self._local:  # a duplicate rid keeps the phase this node knows
+        known = self._local.get(rid)
+        if known is None or (known.instance_id, known.epoch) != (iid, epoch):
+            # A new claim, or one Redis made where this node's entry is stale (its
+            # epoch was voided): Redis' record is where the reservation is counted.
+            # A duplicate of the claim this node knows keeps the phase it knows.
+            phase = known.phase if known is not None and str(reply[0]) == "dup" else "prefill"
             self._local[rid] = LocalReservation(
-                rid, iid, epoch, "prefill", prompt, expected, prefill_ms, decode_ms, in_redis=True
+                rid, iid, epoch, phase, prompt, expected, prefill_ms, decode_ms, in_redis=True
             )
         timed = row is not None and row.spec.has_timing
         return Reservation(
