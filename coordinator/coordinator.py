@@ -32,12 +32,22 @@ from coordinator.errors import (
     InvalidArgumentError,
     NoInstanceError,
     PoolFullError,
+    ScriptArgumentError,
     UnknownInstanceError,
+    WriteRefusedError,
     from_response_error,
+    is_write_refused,
 )
 from coordinator.fastrank import ColumnarPool
 from coordinator.keys import ID_RE, POOL_NAME_RE, PoolKeys
-from coordinator.models import HINT_NAMES, InstanceLoad, InstanceRow, InstanceSpec, Reservation
+from coordinator.models import (
+    HINT_NAMES,
+    MAX_PREDICTED_MS,
+    InstanceLoad,
+    InstanceRow,
+    InstanceSpec,
+    Reservation,
+)
 from coordinator.pressure import instance_load
 from coordinator.scripts import Scripts
 from coordinator.settings import STRATEGIES, Settings
@@ -94,6 +104,10 @@ class Stats:
     reserve_retries: int = 0
     forced_reserves: int = 0
     queue_waiting: int = 0
+    lease_losses: int = 0  # own lease found expired or gone: re-asserted
+    pool_losses: int = 0  # run_id changed: Redis lost the pool
+    write_refusals: int = 0  # OOM / READONLY / MISCONF / NOREPLICAS replies
+    unrestorable: int = 0  # reservations a re-assert could not restore
 
 
 class Coordinator:
@@ -108,12 +122,12 @@ class Coordinator:
         settings: Settings | None = None,
         seed: int | None = None,
     ) -> None:
-        if not isinstance(pool, str) or not POOL_NAME_RE.match(pool):
+        if not isinstance(pool, str) or not POOL_NAME_RE.fullmatch(pool):
             raise InvalidArgumentError(
                 f"pool name {pool!r} must match {POOL_NAME_RE.pattern} (no braces)"
             )
         node_id = node_id or f"node-{uuid.uuid4().hex[:12]}"
-        if not ID_RE.match(node_id):
+        if not ID_RE.fullmatch(node_id):
             raise InvalidArgumentError(f"node id {node_id!r} must match {ID_RE.pattern}")
         self.redis = redis
         self.pool = pool
@@ -142,6 +156,12 @@ class Coordinator:
         self._alive_when_degraded: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._recovery: asyncio.Task[None] | None = None
+        # Lease bookkeeping. Once a node has held a lease, a lease found expired or
+        # missing means peers may have reaped its reservations: it must re-assert.
+        self._leased = False
+        self._reasserting = False
+        self._lease_lost = False  # seen expired while re-asserting: start over
+        self._renewed_mono = 0.0
         self.on_reaped: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -208,20 +228,28 @@ class Coordinator:
             raise CoordinationUnavailableError("coordination is degraded")
         try:
             return await self._direct_call(name, args, extra_keys)
+        except WriteRefusedError as exc:
+            self.stats.write_refusals += 1
+            self._enter_degraded(exc)
+            raise
         except UNAVAILABLE as exc:
             self._enter_degraded(exc)
             raise CoordinationUnavailableError(str(exc)) from exc
 
-    def _enter_degraded(self, cause: BaseException) -> None:
+    def _enter_degraded(self, cause: object) -> None:
+        """Serve from local state and re-assert it in the background (DESIGN.md §5)."""
         if self._degraded:
             return
-        log.warning("redis unavailable (%s): coordination degraded", cause)
+        log.warning("coordination degraded: %s", cause)
         now = self._cache.estimated_now_ms()
         ttl = self.settings.instance_ttl_ms
         self._alive_when_degraded = {
             iid for iid, row in self._cache.rows.items() if now - row.last_seen_ms <= ttl
         }
         self._degraded = True
+        for spec in self._registered.values():
+            if spec.id not in self._cache.rows:  # what this node registered, at least
+                self._remember_locally(spec)
         self.stats.degraded_entries += 1
         if self._recovery is None or self._recovery.done():
             with suppress(RuntimeError):
@@ -304,7 +332,12 @@ class Coordinator:
     async def unregister_instance(self, instance_id: str) -> int:
         """Remove an instance; returns how many reservations were voided."""
         self._registered.pop(instance_id, None)
-        reply = await self._call("unregister", [instance_id])
+        try:
+            reply = await self._call("unregister", [instance_id])
+        finally:
+            # Whatever happened, this node's cache may still list the instance: the
+            # next decision must re-read rather than send it to the reserve script.
+            self._cache.invalidate()
         self._forget_instance_epochs(instance_id, -1)
         return int(reply[1])
 
@@ -318,7 +351,27 @@ class Coordinator:
     async def refresh(self) -> None:
         """Pull the rows changed since the cached version (a full read the first time)."""
         since, run_id = self._cache.since()
-        self._cache.apply(await self._call("snapshot", [since, run_id]))
+        if not self._apply(await self._call("snapshot", [since, run_id])):
+            raise CoordinationUnavailableError("redis lost the pool: re-asserting")
+
+    def _apply(self, delta: list[Any]) -> bool:
+        """Merge a delta; False (and a re-assert) when Redis lost the pool meanwhile.
+
+        A new run_id means FLUSHDB, eviction or a failover to an empty replica: the
+        same loss as a restart, so the node re-registers and re-asserts as after an
+        outage. The cache keeps its rows until then: degraded mode selects from them.
+        """
+        run = delta[0].decode() if isinstance(delta[0], bytes) else str(delta[0])
+        if self._cache.run_id and run != self._cache.run_id:
+            # Only the re-assert's own snapshot switches runs: a late reply of either
+            # run must not empty the rows degraded selection depends on.
+            if not self._reasserting:
+                if not self._degraded:
+                    self.stats.pool_losses += 1
+                self._enter_degraded(f"redis lost the pool (run_id {self._cache.run_id} -> {run})")
+            return False
+        self._cache.apply(delta)
+        return True
 
     async def snapshot(self) -> Snapshot:
         """The pool's pressure at the current Redis time, exactly as selection sees it."""
@@ -396,7 +449,7 @@ class Coordinator:
                 )
         if rid is None:
             rid = uuid.uuid4().hex
-        elif not ID_RE.match(rid):
+        elif not ID_RE.fullmatch(rid):
             raise InvalidArgumentError(f"rid {rid!r} must match {ID_RE.pattern}")
         if strategy is not None and strategy not in STRATEGIES:
             raise InvalidArgumentError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
@@ -459,6 +512,7 @@ class Coordinator:
                 int(s.enforce_max_slots),
                 s.instance_ttl_ms,
                 *self._cache.since(),
+                0 if self._leased else s.lease_ms,
                 len(candidates),
             ]
             for c in candidates:
@@ -472,21 +526,48 @@ class Coordinator:
                     row.pending_prefill,
                 ]
             reply = await self._call("reserve", args, (self._node_rids,))
-            self._cache.apply(reply[-1])
             status = str(reply[0])
+            current = self._apply(reply[-1])
             if status in ("ok", "dup"):
+                self._leased = True
                 if force:
                     self.stats.forced_reserves += 1
                 return self._record(rid, reply, prompt, expected, ranking)
+            if status == "nolease":
+                # Peers may have reaped this node: re-assert before writing again.
+                self.stats.lease_losses += 1
+                self._enter_degraded("lease expired: re-asserting reservations")
+                raise CoordinationUnavailableError("lease expired")
+            if not current:
+                raise CoordinationUnavailableError("redis lost the pool: re-asserting")
             if status == "full":
-                raise PoolFullError(int(reply[1]))
+                # The reply's delta may show room the ranking missed: rank again.
+                if attempt == s.reserve_retries or not self._room_left(skip):
+                    raise PoolFullError(int(reply[1]))
             self.stats.reserve_retries += 1
         raise NoInstanceError("no alive instance accepted the reservation")
 
     def _rank_for_reserve(self, strategy: str | None, skip: frozenset[str]) -> Ranking:
-        """least_load through the vectorized ranker; other strategies on full rows."""
+        """least_load through the vectorized ranker; other strategies on full rows.
+
+        With enforce_max_slots, full instances are ranked out first: the script sees
+        only the top k, and k full ones would refuse while another has room. When
+        every instance is full they are ranked anyway, so the script answers `full`
+        with the wait until the earliest slot frees up.
+        """
+        if self.settings.enforce_max_slots:
+            ranking = self._rank_candidates(strategy, skip, room_only=True)
+            if ranking.ranked:
+                return ranking
+        return self._rank_candidates(strategy, skip, room_only=False)
+
+    def _rank_candidates(
+        self, strategy: str | None, skip: frozenset[str], *, room_only: bool
+    ) -> Ranking:
         name = strategy or self.settings.strategy
         if name != "least_load" or skip:
+            if room_only:
+                skip = skip | self._full_ids()
             return self.rank(self._current_snapshot(), name, exclude=skip)
         s = self.settings
         ranked, scores = self._columns_view.rank_least_load(
@@ -497,8 +578,23 @@ class Coordinator:
             instance_ttl_ms=s.instance_ttl_ms,
             hint_ttl_ms=s.hint_ttl_ms,
             k=s.top_k,
+            room_only=room_only,
         )
         return Ranking(ranked, scores, "least_load")
+
+    def _full_ids(self) -> frozenset[str]:
+        """Instances at max_slots in the cache."""
+        return frozenset(
+            iid for iid, r in self._cache.rows.items() if 0 < r.max_slots <= r.inflight
+        )
+
+    def _room_left(self, skip: frozenset[str]) -> bool:
+        """Whether the cache shows an alive, selectable instance below max_slots."""
+        snap = self._current_snapshot()
+        return any(
+            r.id not in skip and (r.max_slots <= 0 or (r.inflight or 0) < r.max_slots)
+            for r in eligible(snap.rows)
+        )
 
     def _record(
         self, rid: str, reply: list[Any], prompt: int, expected: int, ranking: Ranking
@@ -508,9 +604,14 @@ class Coordinator:
         prefill_ms, decode_ms = int(reply[4]), int(reply[5])
         row = self._cache.rows.get(iid)
         url = row.spec.url if row else ""
-        if rid not in self._local:  # a duplicate rid keeps the phase this node knows
+        known = self._local.get(rid)
+        if known is None or (known.instance_id, known.epoch) != (iid, epoch):
+            # A new claim, or one Redis made where this node's entry is stale (its
+            # epoch was voided): Redis' record is where the reservation is counted.
+            # A duplicate of the claim this node knows keeps the phase it knows.
+            phase = known.phase if known is not None and str(reply[0]) == "dup" else "prefill"
             self._local[rid] = LocalReservation(
-                rid, iid, epoch, "prefill", prompt, expected, prefill_ms, decode_ms, in_redis=True
+                rid, iid, epoch, phase, prompt, expected, prefill_ms, decode_ms, in_redis=True
             )
         timed = row is not None and row.spec.has_timing
         return Reservation(
@@ -583,18 +684,18 @@ class Coordinator:
         res = self._local.get(rid)
         if res is not None:
             res.phase = "decode"
-        if not isinstance(rid, str) or not ID_RE.match(rid):
+        if not isinstance(rid, str) or not ID_RE.fullmatch(rid):
             raise InvalidArgumentError(f"rid {rid!r} is not a valid id")
         try:
             reply = await self._call("mark_first_token", [rid, *self._cache.since()])
         except CoordinationUnavailableError:
             return res is not None
-        self._cache.apply(reply[-1])
+        self._apply(reply[-1])
         return str(reply[0]) == "ok"
 
     async def release(self, rid: str) -> bool:
         """End a reservation; a second release (or an unknown rid) changes nothing."""
-        if not isinstance(rid, str) or not ID_RE.match(rid):
+        if not isinstance(rid, str) or not ID_RE.fullmatch(rid):
             raise InvalidArgumentError(f"rid {rid!r} is not a valid id")
         res = self._local.pop(rid, None)
         if self._degraded:
@@ -609,15 +710,33 @@ class Coordinator:
             if res is None or res.in_redis:
                 self._pending_releases.add(rid)
             return res is not None
-        self._cache.apply(reply[-1])
+        self._apply(reply[-1])
         return str(reply[0]) == "ok"
 
     # ------------------------------------------------------------------ leases
 
     async def renew_lease(self) -> list[str]:
-        """Extend this node's lease; returns the ids of nodes whose lease expired."""
+        """Extend this node's lease; returns the ids of nodes whose lease expired.
+
+        A lease found expired or missing, after this node held one, means peers may
+        have reaped its reservations (a stall beyond the lease, or Redis lost the
+        pool): the node re-asserts them, through degraded mode as after an outage.
+        """
         reply = await self._call("renew_lease", [self.node_id, self.settings.lease_ms])
-        return [str(n) for n in reply[2] if str(n) != self.node_id]
+        self._lease_renewed(str(reply[0]))
+        return [str(n) for n in reply[3] if str(n) != self.node_id]
+
+    def _lease_renewed(self, status: str) -> None:
+        lost = status != "ok" and self._leased
+        self._leased = True
+        self._renewed_mono = time.monotonic()
+        if not lost:
+            return
+        self.stats.lease_losses += 1
+        if self._reasserting:
+            self._lease_lost = True
+        elif self._local or self._pending_releases:
+            self._enter_degraded(f"lease {status}: re-asserting reservations")
 
     async def reap_node(self, node_id: str, *, force: bool = False) -> int:
         """Release every reservation of an expired node; 0 if it came back meanwhile.
@@ -652,7 +771,15 @@ class Coordinator:
                     pass
                 except Exception:
                     log.exception("lease renewal failed")
+            elif self._reasserting:
+                # A long re-assert must not outlive the lease it writes under.
+                with suppress(*UNAVAILABLE, CoordinationUnavailableError):
+                    await self._renew_directly()
             await asyncio.sleep(period)
+
+    async def _renew_directly(self) -> None:
+        reply = await self._direct_call("renew_lease", [self.node_id, self.settings.lease_ms])
+        self._lease_renewed(str(reply[0]))
 
     # ------------------------------------------------------------------ degraded mode
 
@@ -663,32 +790,52 @@ class Coordinator:
             await asyncio.sleep(interval)
             try:
                 await self._reassert()
-            except UNAVAILABLE as exc:
+            except (*UNAVAILABLE, CoordinationUnavailableError) as exc:
                 log.debug("redis still unavailable: %s", exc)
                 continue
             except Exception:
                 log.exception("re-asserting state failed; will retry")
                 continue
-            log.warning("redis is back: coordination ok")
+            log.warning("coordination ok: state re-asserted")
             return
 
     async def _reassert(self) -> None:
         """Idempotently restore this node's state, then leave degraded mode."""
+        self._reasserting = True
+        try:
+            await self._reassert_all()
+        finally:
+            self._reasserting = False
+        # No await between the last check in _reassert_all and this switch: nothing
+        # can slip by.
+        self._degraded = False
+
+    async def _reassert_all(self) -> None:
         direct = self._direct_call
         # The specs this node last saw, before a snapshot of an emptied Redis drops them.
         known = {iid: (row.spec, row.epoch) for iid, row in self._cache.rows.items()}
         pool = getattr(self.redis, "connection_pool", None)
         if pool is not None:  # connections from before a restart are dead: drop them all
             await pool.disconnect()
-        await direct("renew_lease", [self.node_id, self.settings.lease_ms])
+        self._lease_lost = False
+        await self._renew_directly()
+        self._lease_lost = False
         for spec in list(self._registered.values()):
             with suppress(EpochFencedError):
                 await direct("register", [spec.id, spec.to_json(), spec.max_slots, spec.epoch])
         since, run_id = self._cache.since()
         self._cache.apply(await direct("snapshot", [since, run_id]))
+        # Renew between chunks: restoring thousands of reservations over a slow link
+        # can take longer than the lease, and a peer would reap them meanwhile.
+        renew_every = self.settings.lease_ms / 3000
         done: set[str] = set()
         reconciled = False
         while True:
+            if self._lease_lost:
+                # The lease ran out mid-way: what was restored may be reaped. Start over.
+                self._lease_lost = False
+                await self._renew_directly()
+                done.clear()
             todo = [r for rid, r in self._local.items() if rid not in done]
             releases = list(self._pending_releases)
             if not todo and not releases:
@@ -703,43 +850,76 @@ class Coordinator:
                 reconciled = True
                 continue
             for res in todo:
+                if self._lease_lost:
+                    break
+                if time.monotonic() - self._renewed_mono > renew_every:
+                    await self._renew_directly()
+                    if self._lease_lost:
+                        break
                 done.add(res.rid)
                 if res.rid not in self._local:  # released before its turn came
                     continue
-                status = await direct(
-                    "restore",
-                    [
-                        res.rid,
-                        self.node_id,
-                        res.instance_id,
-                        res.epoch,
-                        res.phase,
-                        res.prompt_tokens,
-                        res.expected_output_tokens,
-                        res.prefill_ms,
-                        res.decode_ms,
-                    ],
-                    (self._node_rids,),
-                )
-                if str(status[0]) == "unknown" and res.instance_id in known:
-                    # Redis lost the instance and its registrar has not re-registered
-                    # it yet: re-register what this node knew, then restore again.
-                    spec, epoch = known.pop(res.instance_id)
-                    with suppress(EpochFencedError):
-                        await direct("register", [spec.id, spec.to_json(), spec.max_slots, epoch])
-                    done.discard(res.rid)
-                    continue
-                if str(status[0]) in ("void", "unknown"):
-                    self._local.pop(res.rid, None)
-                elif res.rid in self._local:
-                    self._local[res.rid].in_redis = True
-                else:  # released while the restore was in flight: it is in Redis now
-                    self._pending_releases.add(res.rid)
+                await self._restore_one(res, known, done)
             for rid in releases:
                 await direct("release", [rid, 0, ""], (self._node_rids,))
                 self._pending_releases.discard(rid)
-        # No await between the last check above and this switch: nothing can slip by.
-        self._degraded = False
+
+    async def _restore_one(
+        self,
+        res: LocalReservation,
+        known: dict[str, tuple[InstanceSpec, int]],
+        done: set[str],
+    ) -> None:
+        """Re-assert one reservation; one that cannot be restored never blocks the rest."""
+        try:
+            reply = await self._direct_call(
+                "restore",
+                [
+                    res.rid,
+                    self.node_id,
+                    res.instance_id,
+                    res.epoch,
+                    res.phase,
+                    res.prompt_tokens,
+                    res.expected_output_tokens,
+                    min(res.prefill_ms, MAX_PREDICTED_MS),
+                    min(res.decode_ms, MAX_PREDICTED_MS),
+                ],
+                (self._node_rids,),
+            )
+        except ScriptArgumentError as exc:
+            # Nothing was written; keep serving the request, uncounted, rather than
+            # stay degraded until it ends.
+            log.error("cannot re-assert reservation %s (%s): left uncounted", res.rid, exc)
+            self.stats.unrestorable += 1
+            self._local.pop(res.rid, None)
+            return
+        status = str(reply[0])
+        if status == "nolease":
+            self._lease_lost = True
+            done.discard(res.rid)
+            return
+        if status == "unknown" and res.instance_id in known:
+            # Redis lost the instance and its registrar has not re-registered
+            # it yet: re-register what this node knew, then restore again.
+            spec, epoch = known.pop(res.instance_id)
+            with suppress(EpochFencedError):
+                await self._direct_call(
+                    "register", [spec.id, spec.to_json(), spec.max_slots, epoch]
+                )
+            done.discard(res.rid)
+            return
+        if status in ("void", "unknown"):
+            self._local.pop(res.rid, None)
+            return
+        local = self._local.get(res.rid)
+        if local is None:  # released while the restore was in flight: it is in Redis now
+            self._pending_releases.add(res.rid)
+            return
+        local.in_redis = True
+        # Redis already held the rid (a reserve whose reply was lost): its record,
+        # not this node's guess, says where the reservation is counted.
+        local.instance_id, local.epoch = str(reply[1]), int(reply[2])
 
     async def _direct_call(
         self, name: str, args: list[Any], extra: tuple[str | bytes, ...] = ()
@@ -758,9 +938,11 @@ class Coordinator:
             return await script(keys=keys, args=args)
         except ResponseError as exc:
             mapped = from_response_error(exc)
-            if mapped is None:
-                raise
-            raise mapped from exc
+            if mapped is not None:
+                raise mapped from exc
+            if is_write_refused(exc):
+                raise WriteRefusedError(f"redis refuses writes: {exc}") from exc
+            raise
 
 
 __all__ = ["Coordinator", "LocalReservation", "RegisterResult", "Stats", "UnknownInstanceError"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 
 
 class CoordinatorError(Exception):
@@ -41,7 +41,27 @@ class CoordinationUnavailableError(CoordinatorError):
     """Redis could not be reached; the caller should use degraded mode."""
 
 
+class WriteRefusedError(CoordinationUnavailableError):
+    """Redis answers but refuses writes (OOM, READONLY, MISCONF, NOREPLICAS): degrade."""
+
+
 SCRIPT_ERROR_PREFIX = "LCERR "
+# Error codes of a server that is up but cannot take writes now: maxmemory with
+# noeviction, a replica after a failover, a failed RDB save, too few replicas.
+WRITE_REFUSED_CODES = ("OOM", "READONLY", "MISCONF", "NOREPLICAS")
+
+
+def is_write_refused(exc: ResponseError) -> bool:
+    """Whether a Redis error reply means "cannot write now" rather than a bad call.
+
+    redis-py turns OOM and READONLY into their own classes (and strips the code);
+    other codes stay in the text, possibly after a script wrapper ("ERR Error
+    running script ...: @user_script:12: MISCONF ..."), so each word is checked.
+    """
+    if isinstance(exc, OutOfMemoryError | ReadOnlyError):
+        return True
+    words = str(exc).replace(":", " ").split()
+    return any(word in WRITE_REFUSED_CODES for word in words[:64])
 
 
 def from_response_error(exc: ResponseError) -> CoordinatorError | None:

@@ -101,12 +101,19 @@ class ColumnarPool:
         instance_ttl_ms: int,
         hint_ttl_ms: int,
         k: int,
+        room_only: bool = False,
     ) -> tuple[list[InstanceLoad], dict[str, Score]]:
-        """The reference least_load's first k candidates and their scores."""
+        """The reference least_load's first k candidates and their scores.
+
+        `room_only` leaves out instances at max_slots, as if they were not eligible.
+        """
         self.sync(cache)
         c = self._cols
         inflight, pending = c["inflight"], c["pending"]
-        eligible = np.flatnonzero((now - c["last_seen"] <= instance_ttl_ms) & (c["mixed"] == 1.0))
+        mask = (now - c["last_seen"] <= instance_ttl_ms) & (c["mixed"] == 1.0)
+        if room_only:
+            mask &= (c["max_slots"] <= 0) | (inflight < c["max_slots"])
+        eligible = np.flatnonzero(mask)
         if eligible.size == 0:
             return [], {}
         # Every row eligible (the usual case): views instead of fancy-indexed copies.
@@ -146,10 +153,12 @@ class ColumnarPool:
         ]
         wmap = weights.as_dict()
         total = np.zeros(eligible.size)
-        for name in used:
-            total = total + wmap[name] * values[name]
-        total = total / c["weight"][eligible]
-        order = self._top(total, eligible, rr, k)
+        # Valid weights may overflow to inf (as in the reference's float sums).
+        with np.errstate(over="ignore", invalid="ignore"):
+            for name in used:
+                total = total + wmap[name] * values[name]
+            total = total / c["weight"][eligible]
+            order = self._top(total, eligible, rr, k)
         chosen = eligible[order]
         sources = {
             layer: ("hints" if layer == "instantaneous" else "reservations")
@@ -176,7 +185,8 @@ class ColumnarPool:
     def _top(total: Floats, eligible: npt.NDArray[np.intp], rr: RoundRobin, k: int) -> list[int]:
         """Positions of the first k: tied minimum rotated by rr, then (total, id) order."""
         best = float(total.min())
-        tied = np.flatnonzero(total - best <= TIE_EPSILON)
+        # `==` too: when every total is inf, inf - inf is NaN and nothing would tie.
+        tied = np.flatnonzero((total == best) | (total - best <= TIE_EPSILON))
         tied = tied[np.lexsort((eligible[tied], total[tied]))]
         shift = rr.take() % tied.size
         head = [int(p) for p in np.concatenate((tied[shift:], tied[:shift]))[:k]]

@@ -10,8 +10,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-POOL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+# Use with fullmatch (or match: both end in \Z, which, unlike $, refuses a trailing
+# newline that Redis and the scripts would not accept).
+POOL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
+ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")
 
 # Columns in the order every script receives them as KEYS[1..N]; lua/_lib.lua
 # names the same positions. Each is a hash keyed by instance id unless noted.

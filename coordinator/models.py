@@ -12,9 +12,24 @@ from coordinator.keys import ID_RE
 
 ROLES = ("mixed", "prefill", "decode")
 HINT_NAMES = ("engine_running", "engine_waiting", "queue_depth")
+# Predictions are clamped to one day (ms): the scripts refuse longer ones
+# (MAX_PREDICTED_MS in lua/_lib.lua), and no valid request may hit that refusal.
+MAX_PREDICTED_MS = 86_400_000
+# Sane ranges of the timing model and capacity (checked at registration, 422).
+MAX_MS_PER_TOKEN = 60_000.0  # a minute per token is already no engine
+MAX_OVERHEAD_MS = float(MAX_PREDICTED_MS)
+MAX_WEIGHT = 1e6
+MAX_SLOTS = 1_000_000  # the register script's limit
 
 
-def _number(name: str, value: Any, *, minimum: float = 0.0, optional: bool = False) -> None:
+def _number(
+    name: str,
+    value: Any,
+    *,
+    minimum: float = 0.0,
+    maximum: float = float("inf"),
+    optional: bool = False,
+) -> None:
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -23,8 +38,19 @@ def _number(name: str, value: Any, *, minimum: float = 0.0, optional: bool = Fal
         finite = math.isfinite(value)
     except OverflowError:  # an int beyond float range
         finite = False
-    if not finite or value < minimum:
-        raise InvalidArgumentError(f"{name} must be finite and >= {minimum}, got {value}")
+    if not finite or value < minimum or value > maximum:
+        raise InvalidArgumentError(
+            f"{name} must be finite and in {minimum:g}..{maximum:g}, got {value}"
+        )
+
+
+def clamp_ms(value: float) -> int:
+    """A predicted duration in whole ms, clamped to 0..MAX_PREDICTED_MS."""
+    if not value > 0:  # also NaN
+        return 0
+    if value >= MAX_PREDICTED_MS:
+        return MAX_PREDICTED_MS
+    return math.ceil(value)
 
 
 def _utf8(value: Any) -> bool:
@@ -55,7 +81,7 @@ class InstanceSpec:
     tags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.id, str) or not ID_RE.match(self.id):
+        if not isinstance(self.id, str) or not ID_RE.fullmatch(self.id):
             raise InvalidArgumentError(
                 f"instance id {self.id!r} must match {ID_RE.pattern} (no '|', braces or spaces)"
             )
@@ -65,10 +91,13 @@ class InstanceSpec:
             raise InvalidArgumentError(f"role must be one of {ROLES}, got {self.role!r}")
         if isinstance(self.max_slots, bool) or not isinstance(self.max_slots, int):
             raise InvalidArgumentError(f"max_slots must be an integer, got {self.max_slots!r}")
-        _number("max_slots", self.max_slots)
-        _number("weight", self.weight, minimum=1e-6)
-        for name in ("prefill_ms_per_token", "prefill_overhead_ms", "decode_ms_per_token"):
-            _number(name, getattr(self, name), optional=True)
+        _number("max_slots", self.max_slots, maximum=MAX_SLOTS)
+        _number("weight", self.weight, minimum=1e-6, maximum=MAX_WEIGHT)
+        for name in ("prefill_ms_per_token", "decode_ms_per_token"):
+            _number(name, getattr(self, name), maximum=MAX_MS_PER_TOKEN, optional=True)
+        _number(
+            "prefill_overhead_ms", self.prefill_overhead_ms, maximum=MAX_OVERHEAD_MS, optional=True
+        )
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 0:
             raise InvalidArgumentError(f"epoch must be a non-negative integer, got {self.epoch!r}")
         if self.model is not None and not _utf8(self.model):
@@ -82,17 +111,17 @@ class InstanceSpec:
         return self.prefill_ms_per_token is not None and self.decode_ms_per_token is not None
 
     def prefill_ms(self, prompt_tokens: int) -> int:
-        """Predicted prefill time of a prompt on this instance, in whole ms."""
+        """Predicted prefill time of a prompt on this instance, in whole ms (clamped)."""
         if not self.has_timing:
             return 0
         per_token = self.prefill_ms_per_token or 0.0
-        return math.ceil((self.prefill_overhead_ms or 0.0) + per_token * prompt_tokens)
+        return clamp_ms((self.prefill_overhead_ms or 0.0) + per_token * prompt_tokens)
 
     def decode_ms(self, output_tokens: int) -> int:
-        """Predicted decode time of an output on this instance, in whole ms."""
+        """Predicted decode time of an output on this instance, in whole ms (clamped)."""
         if not self.has_timing:
             return 0
-        return math.ceil((self.decode_ms_per_token or 0.0) * output_tokens)
+        return clamp_ms((self.decode_ms_per_token or 0.0) * output_tokens)
 
     def to_json(self) -> str:
         """The stored form (epoch lives in its own column)."""

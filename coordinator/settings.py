@@ -81,7 +81,7 @@ class Settings:
     weights: Weights = field(default_factory=Weights)
 
     def __post_init__(self) -> None:
-        if not self.key_prefix or not POOL_NAME_RE.match(self.key_prefix):
+        if not self.key_prefix or not POOL_NAME_RE.fullmatch(self.key_prefix):
             raise InvalidArgumentError(f"key_prefix {self.key_prefix!r} is not a plain name")
         for name in (
             "instance_ttl_ms",

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.models import Hint, InstanceLoad, InstanceRow, InstanceSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,9 @@ class PoolCache:
             self.membership += 1
             self.run_id = run_id
             self.version = 0
+            # Another server (a failover) may run a clock behind the old one: the
+            # highest time seen belongs to the old run.
+            self.now_ms = 0
             if not int(full):
                 return
         for raw in rows:
@@ -88,7 +94,15 @@ class PoolCache:
         spec_json = _text(raw[1])
         spec = self._specs.get(spec_json)
         if spec is None:
-            spec = InstanceSpec.from_dict(json.loads(spec_json))
+            try:
+                spec = InstanceSpec.from_dict(json.loads(spec_json))
+            except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+                # A row that got into Redis past validation (written directly, or by
+                # an older version) must not break selection: leave it out.
+                if self.rows.pop(iid, None) is not None:
+                    self.membership += 1
+                log.warning("ignoring instance %r: invalid stored spec (%s)", iid, exc)
+                return
             self._specs[spec_json] = spec
             if len(self._specs) > 4 * max(64, len(self.rows)):
                 self._specs.clear()

@@ -153,7 +153,12 @@ def _rank_by_score(
     if not known:
         return _rotate(unknown, rr.take())
     best = scores[known[0].id].total or 0.0
-    tied = [r for r in known if (scores[r.id].total or 0.0) - best <= TIE_EPSILON]
+
+    def ties(total: float) -> bool:
+        # `==` too: when every total is inf, inf - inf is NaN and nothing would tie.
+        return total == best or total - best <= TIE_EPSILON
+
+    tied = [r for r in known if ties(scores[r.id].total or 0.0)]
     rest = known[len(tied) :]
     return _rotate(tied, rr.take()) + rest + unknown
 

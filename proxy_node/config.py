@@ -62,7 +62,7 @@ class NodeConfig:
             raise InvalidArgumentError(
                 f"redis URL must start with one of {SCHEMES}, got {self.redis_url!r}"
             )
-        if not isinstance(self.pool, str) or not POOL_NAME_RE.match(self.pool):
+        if not isinstance(self.pool, str) or not POOL_NAME_RE.fullmatch(self.pool):
             raise InvalidArgumentError(
                 f"pool {self.pool!r} must match {POOL_NAME_RE.pattern} (no braces)"
             )
@@ -85,7 +85,7 @@ class NodeConfig:
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
             raise InvalidArgumentError("token must be a non-empty string when set")
         if self.node_id is not None and (
-            not isinstance(self.node_id, str) or not ID_RE.match(self.node_id)
+            not isinstance(self.node_id, str) or not ID_RE.fullmatch(self.node_id)
         ):
             raise InvalidArgumentError(f"node id {self.node_id!r} must match {ID_RE.pattern}")
         if (

@@ -159,7 +159,7 @@ async def heartbeat(request: web.Request) -> web.Response:
         return reject.response
     except InvalidArgumentError as exc:
         return json_error(422, str(exc), "invalid_hints")
-    if not ID_RE.match(instance_id):
+    if not ID_RE.fullmatch(instance_id):
         return json_error(404, f"unknown instance {instance_id!r}", "unknown_instance")
     try:
         epoch = await _coordinator(request).heartbeat_instance(instance_id, hints)
@@ -175,12 +175,14 @@ async def heartbeat(request: web.Request) -> web.Response:
 async def unregister(request: web.Request) -> web.Response:
     """DELETE /v1/instances/{id}: remove an instance (its reservations become void)."""
     instance_id = request.match_info["instance_id"]
-    if not ID_RE.match(instance_id):
+    if not ID_RE.fullmatch(instance_id):
         return json_error(404, f"unknown instance {instance_id!r}", "unknown_instance")
     try:
         voided = await _coordinator(request).unregister_instance(instance_id)
     except UnknownInstanceError:
         return json_error(404, f"unknown instance {instance_id!r}", "unknown_instance")
+    except InvalidArgumentError as exc:  # incl. a script refusing its arguments
+        return json_error(400, str(exc), "invalid_request")
     except CoordinationUnavailableError as exc:
         return _unavailable(exc)
     return web.json_response({"instance_id": instance_id, "voided_reservations": voided})

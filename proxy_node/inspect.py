@@ -109,7 +109,7 @@ def _interval(raw: str) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """Print the pool once (or keep refreshing with --watch); 1 if Redis cannot be read."""
-    if not POOL_NAME_RE.match(args.pool):
+    if not POOL_NAME_RE.fullmatch(args.pool):
         _error(f"pool name {args.pool!r} must match {POOL_NAME_RE.pattern} (no braces)")
         return 2
     if args.json and args.watch is not None:

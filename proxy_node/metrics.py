@@ -92,6 +92,31 @@ class PressureCollector(Collector):
         )
         entries.add_metric([self.pool], float(stats.degraded_entries))
         yield entries
+        for name, help_text, value in (
+            (
+                "proxy_coordination_lease_losses",
+                "Times this node found its lease expired or gone (stall) and re-asserted",
+                stats.lease_losses,
+            ),
+            (
+                "proxy_coordination_pool_losses",
+                "Times Redis lost the pool (run_id changed: FLUSHDB, eviction, empty failover)",
+                stats.pool_losses,
+            ),
+            (
+                "proxy_coordination_write_refusals",
+                "Redis replies refusing a write (OOM, READONLY, MISCONF, NOREPLICAS)",
+                stats.write_refusals,
+            ),
+            (
+                "proxy_coordination_unrestorable",
+                "Reservations a re-assert could not restore (served, left uncounted)",
+                stats.unrestorable,
+            ),
+        ):
+            counter = CounterMetricFamily(name, help_text, labels=["pool"])
+            counter.add_metric([self.pool], float(value))
+            yield counter
         retries = CounterMetricFamily(
             "proxy_reserve_retries",
             "Reserve attempts whose candidates had all changed (re-scored)",

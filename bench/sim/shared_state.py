@@ -148,7 +148,7 @@ class SharedState:
             inst.pending_prefill -= 1
         inst.active_decode += 1
         inst.pending_prefill_ms -= rec.prefill_ms
-        self._rechain(inst, now_ms)
+        self._rechain_after_first_token(inst, now_ms)
         self._touch(inst)
         return True
 
@@ -165,17 +165,28 @@ class SharedState:
             if inst.pending_prefill > 0:
                 inst.pending_prefill -= 1
             inst.pending_prefill_ms -= rec.prefill_ms
-            self._rechain(inst, now_ms)
+            self._rechain_after_cancel(inst, rec, now_ms)
         elif inst.active_decode > 0:
             inst.active_decode -= 1
         self._touch(inst)
         return True
 
     @staticmethod
-    def _rechain(inst: _Instance, now_ms: int) -> None:
-        # _lib.lua rechain_prefill: the cursor restarts from now behind what is left.
+    def _rechain_after_first_token(inst: _Instance, now_ms: int) -> None:
+        # _lib.lua rechain_after_first_token: the queue behind starts now.
         inst.pending_prefill_ms = max(0, inst.pending_prefill_ms)
         inst.prefill_free_at_ms = now_ms + inst.pending_prefill_ms
+
+    @staticmethod
+    def _rechain_after_cancel(inst: _Instance, rec: SimReservation, now_ms: int) -> None:
+        # _lib.lua rechain_after_cancel: an unstarted prefill takes only its share out;
+        # a started one is finished by the engine anyway.
+        inst.pending_prefill_ms = max(0, inst.pending_prefill_ms)
+        cursor = inst.prefill_free_at_ms
+        if rec.first_token_at_ms - rec.prefill_ms > now_ms:
+            inst.prefill_free_at_ms = max(now_ms, cursor - rec.prefill_ms)
+        else:
+            inst.prefill_free_at_ms = max(cursor, now_ms + inst.pending_prefill_ms)
 
     def reservation(self, rid: str) -> SimReservation | None:
         """The live record of `rid`, if any."""

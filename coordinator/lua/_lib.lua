@@ -60,12 +60,51 @@ local function lex_member(id, end_at, rid)
   return id .. '|' .. string.format('%015d', end_at) .. '|' .. rid
 end
 
--- Re-chain the serialized prefill cursor after a prefill reservation left.
-local function rechain_prefill(id, now)
+-- Longest predicted prefill or decode time (ms): one day. Callers clamp predictions
+-- to it (coordinator/models.py MAX_PREDICTED_MS), so a valid request always fits.
+local MAX_PREDICTED_MS = 86400000
+
+-- pending_prefill_ms of an instance, never below 0 (written back clamped).
+local function pending_prefill_ms(id)
   local pending_ms = num(K_PENDING_MS, id)
-  if pending_ms < 0 then pending_ms = 0 end
-  redis.call('HSET', K_PENDING_MS, id, string.format('%d', pending_ms))
-  redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', now + pending_ms))
+  if pending_ms < 0 then
+    pending_ms = 0
+    redis.call('HSET', K_PENDING_MS, id, '0')
+  end
+  return pending_ms
+end
+
+-- Re-chain the serialized prefill cursor after a reservation's first token: its
+-- prefill just ended, so the prefills queued behind it start now, one after another.
+local function rechain_after_first_token(id, now)
+  redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', now + pending_prefill_ms(id)))
+end
+
+-- Re-chain the cursor after prefill reservation `rec` left before its first token
+-- (release, reap). Prefill is serialized FCFS (local_fleet/engine_model.py):
+-- - its prefill had not started (predicted start after now): only its share leaves
+--   the chain; the prefill in progress keeps the progress it made, so the cursor
+--   moves back by exactly its prefill_ms;
+-- - its prefill had started: the engine finishes that iteration anyway, so the
+--   cursor stays, but never below now + the prefill work still queued.
+local function rechain_after_cancel(id, rec, now)
+  local pending_ms = pending_prefill_ms(id)
+  local cursor = num(K_PREFILL_FREE, id)
+  local first_token_at = tonumber(rec.first_token_at_ms) or now
+  local prefill_ms = tonumber(rec.prefill_ms) or 0
+  local free
+  if first_token_at - prefill_ms > now then
+    free = math.max(now, cursor - prefill_ms)
+  else
+    free = math.max(cursor, now + pending_ms)
+  end
+  redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', free))
+end
+
+-- Whether `node` holds a lease now (its deadline has not passed).
+local function lease_held(node, now)
+  local deadline = redis.call('ZSCORE', K_NODES, node)
+  return deadline ~= false and deadline ~= nil and tonumber(deadline) >= now
 end
 
 -- Remove one reservation and its counters. `rec` is the decoded record.
@@ -80,7 +119,7 @@ local function drop_reservation(rid, rec, now)
   if rec.phase == 'prefill' then
     if num(K_PENDING, id) > 0 then redis.call('HINCRBY', K_PENDING, id, -1) end
     redis.call('HINCRBY', K_PENDING_MS, id, 0 - rec.prefill_ms)  -- never '-0': Redis rejects it
-    rechain_prefill(id, now)
+    rechain_after_cancel(id, rec, now)
   else
     if num(K_DECODE, id) > 0 then redis.call('HINCRBY', K_DECODE, id, -1) end
   end

@@ -23,7 +23,7 @@ if tonumber(redis.call('HGET', K_EPOCH, id) or '-1') == rec.epoch then
   if num(K_PENDING, id) > 0 then redis.call('HINCRBY', K_PENDING, id, -1) end
   redis.call('HINCRBY', K_DECODE, id, 1)
   redis.call('HINCRBY', K_PENDING_MS, id, 0 - rec.prefill_ms)  -- never '-0': Redis rejects it
-  rechain_prefill(id, now)
+  rechain_after_first_token(id, now)
   touch(id, now)
 end
 return {'ok', delta(since, ARGV[3], now)}

@@ -10,10 +10,14 @@
 -- ARGV[7] = instance ttl in ms (alive while now - last_seen <= ttl)
 -- ARGV[8] = since: pool version for the piggybacked delta
 -- ARGV[9] = run_id the caller last saw
--- ARGV[10] = n, the number of candidates; then n groups of
---   {instance id, observed version, prefill_ms (ms), decode_ms (ms),
---    observed inflight, observed pending_prefill}
+-- ARGV[10] = lease_ms: 0 when the node believes it holds a lease (it must: a node
+--   whose lease expired may have been reaped and must re-assert first); > 0 when the
+--   node never held one: a missing lease is then created with this length (ms)
+-- ARGV[11] = n, the number of candidates; then n groups of
+--   {instance id, observed version, prefill_ms (ms, <= 86400000),
+--    decode_ms (ms, <= 86400000), observed inflight, observed pending_prefill}
 -- returns {'ok'|'dup', instance, epoch, predicted_ttft_ms, prefill_ms, decode_ms, delta}
+--       | {'nolease', delta}          ARGV[10] = 0 and the node's lease is gone
 --       | {'stale', delta}            every candidate changed since it was observed
 --       | {'full', next_slot_in_ms, delta}  every alive candidate is at max_slots
 --       | {'none', delta}             no candidate is registered and alive
@@ -29,15 +33,18 @@ local ttl = int_arg(ARGV[7])
 if ttl == nil then return fail('bad_arg', 'ttl_ms') end
 local since = int_arg(ARGV[8])
 if since == nil then return fail('bad_arg', 'since') end
-local n = int_arg(ARGV[10], 64)
-if n == nil or n < 1 or #ARGV ~= 10 + 6 * n then
+local lease_ms = int_arg(ARGV[10], 86400000)
+if lease_ms == nil then return fail('bad_arg', 'lease_ms') end
+local n = int_arg(ARGV[11], 64)
+if n == nil or n < 1 or #ARGV ~= 11 + 6 * n then
   return fail('bad_arg', 'candidates: expected n >= 1 groups of 6')
 end
 local candidates = {}
 for i = 1, n do
-  local base = 10 + 6 * (i - 1)
+  local base = 11 + 6 * (i - 1)
   local c = {id = ARGV[base + 1], version = int_arg(ARGV[base + 2]),
-    prefill_ms = int_arg(ARGV[base + 3], 86400000), decode_ms = int_arg(ARGV[base + 4], 86400000),
+    prefill_ms = int_arg(ARGV[base + 3], MAX_PREDICTED_MS),
+    decode_ms = int_arg(ARGV[base + 4], MAX_PREDICTED_MS),
     inflight = int_arg(ARGV[base + 5]), pending = int_arg(ARGV[base + 6])}
   if not valid_id(c.id) or c.version == nil or c.prefill_ms == nil or c.decode_ms == nil
       or c.inflight == nil or c.pending == nil then
@@ -47,6 +54,10 @@ for i = 1, n do
 end
 
 local now = now_ms()
+-- Reservations are written only under a live lease: the reaper finds a node through
+-- its lease, so a reservation without one would never go away.
+local leased = lease_held(node, now)
+if not leased and lease_ms == 0 then return {'nolease', delta(since, ARGV[9], now)} end
 local existing = redis.call('HGET', K_RES, rid)
 if existing then
   local rec = cjson.decode(existing)
@@ -87,6 +98,7 @@ if not chosen then
   return {'none', d}
 end
 
+if not leased then redis.call('ZADD', K_NODES, now + lease_ms, node) end
 local id = chosen.id
 local epoch = num(K_EPOCH, id)
 local start = math.max(now, num(K_PREFILL_FREE, id))

@@ -3,47 +3,59 @@
 -- KEYS[1..16] = the pool columns (coordinator/keys.py COLUMNS)
 -- KEYS[17] = {pool}:node:<node>:rids  the owning node's reservation set
 -- ARGV[1] = rid
--- ARGV[2] = node id
--- ARGV[3] = instance id
+-- ARGV[2] = node id (must hold a live lease: the caller renews it first)
+-- ARGV[3] = instance id (used only when Redis holds no record of the rid)
 -- ARGV[4] = epoch the reservation was made under
 -- ARGV[5] = phase ('prefill' or 'decode')
 -- ARGV[6] = prompt_tokens, ARGV[7] = expected_output_tokens
--- ARGV[8] = prefill_ms (ms), ARGV[9] = decode_ms (ms)
--- returns {'restored'|'advanced'|'exists'|'void'|'unknown'}
+-- ARGV[8] = prefill_ms (ms, <= 86400000), ARGV[9] = decode_ms (ms, <= 86400000)
+-- returns {'restored'|'advanced'|'exists', instance, epoch} | {'void'} | {'unknown'}
+--       | {'nolease'}
+--   restored: recreated on ARGV[3]; advanced/exists: Redis already held the rid, on
+--     the instance and epoch it recorded (the caller adopts them: a reply lost
+--     after a reserve leaves the record where the script put it)
 --   void: the instance runs another epoch; the caller forgets the reservation
 --   unknown: the instance is not registered (yet); the caller may register it, retry
+--   nolease: the node's lease expired (and may have been reaped): renew, start over
 local rid, node, id = ARGV[1], ARGV[2], ARGV[3]
 if not valid_id(rid) or not valid_id(node) or not valid_id(id) then
   return fail('bad_arg', 'rid, node and instance must be ids')
 end
 local epoch, phase = int_arg(ARGV[4]), ARGV[5]
 local prompt, expected = int_arg(ARGV[6]), int_arg(ARGV[7])
-local prefill_ms, decode_ms = int_arg(ARGV[8], 86400000), int_arg(ARGV[9], 86400000)
+local prefill_ms = int_arg(ARGV[8], MAX_PREDICTED_MS)
+local decode_ms = int_arg(ARGV[9], MAX_PREDICTED_MS)
 if epoch == nil or prompt == nil or expected == nil or prefill_ms == nil or decode_ms == nil
     or (phase ~= 'prefill' and phase ~= 'decode') then
   return fail('bad_arg', 'restore arguments')
 end
 local now = now_ms()
-local stored_epoch = redis.call('HGET', K_EPOCH, id)
-if not stored_epoch then return {'unknown'} end
-if tonumber(stored_epoch) ~= epoch then return {'void'} end
+-- Written only under a live lease, so the reaper always finds what this wrote.
+if not lease_held(node, now) then return {'nolease'} end
 local raw = redis.call('HGET', K_RES, rid)
 if raw then
   local rec = cjson.decode(raw)
+  local at = rec.instance
+  local current = tonumber(redis.call('HGET', K_EPOCH, at) or '-1') == rec.epoch
   if rec.phase == 'prefill' and phase == 'decode' then
-    redis.call('ZREM', K_BY_INSTANCE, lex_member(id, rec.end_at_ms, rid))
+    redis.call('ZREM', K_BY_INSTANCE, lex_member(at, rec.end_at_ms, rid))
     rec.phase, rec.first_token_at_ms, rec.end_at_ms = 'decode', now, now + rec.decode_ms
     redis.call('HSET', K_RES, rid, cjson.encode(rec))
-    redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, rec.end_at_ms, rid))
-    if num(K_PENDING, id) > 0 then redis.call('HINCRBY', K_PENDING, id, -1) end
-    redis.call('HINCRBY', K_DECODE, id, 1)
-    redis.call('HINCRBY', K_PENDING_MS, id, 0 - rec.prefill_ms)  -- never '-0': Redis rejects it
-    rechain_prefill(id, now)
-    touch(id, now)
-    return {'advanced'}
+    redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(at, rec.end_at_ms, rid))
+    if current then
+      if num(K_PENDING, at) > 0 then redis.call('HINCRBY', K_PENDING, at, -1) end
+      redis.call('HINCRBY', K_DECODE, at, 1)
+      redis.call('HINCRBY', K_PENDING_MS, at, 0 - rec.prefill_ms)  -- never '-0'
+      rechain_after_first_token(at, now)
+      touch(at, now)
+    end
+    return {'advanced', at, rec.epoch}
   end
-  return {'exists'}
+  return {'exists', at, rec.epoch}
 end
+local stored_epoch = redis.call('HGET', K_EPOCH, id)
+if not stored_epoch then return {'unknown'} end
+if tonumber(stored_epoch) ~= epoch then return {'void'} end
 local rec = {instance = id, epoch = epoch, node = node, phase = phase, prompt_tokens = prompt,
   expected_output_tokens = expected, prefill_ms = prefill_ms, decode_ms = decode_ms,
   created_ms = now, predicted_ttft_ms = 0}
@@ -64,4 +76,4 @@ redis.call('HSET', K_RES, rid, cjson.encode(rec))
 redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, rec.end_at_ms, rid))
 redis.call('SADD', KEYS[17], rid)
 touch(id, now)
-return {'restored'}
+return {'restored', id, epoch}

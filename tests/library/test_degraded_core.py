@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import suppress
 
 import pytest
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 
 from coordinator import Coordinator, EpochFencedError, Settings
 from coordinator.connection import connect_redis
+from coordinator.errors import CoordinationUnavailableError, is_write_refused
 from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError, free_port
 from tests.helpers import (
     assert_counters_match_reservations,
@@ -178,3 +180,67 @@ async def test_fenced_registration_is_not_reasserted(
     assert epochs == {"i0": "6", "i1": "1", "i2": "1"}
     await assert_redis_equals_local(c)
     assert set(c.local_reservations) == {r.rid for r in held}
+
+
+@contextlib.asynccontextmanager
+async def refusing_writes(server: EmbeddedRedis, how: str) -> AsyncIterator[None]:
+    """A window in which the server answers but refuses every write."""
+    admin = Redis.from_url(server.url, decode_responses=True)
+    try:
+        if how == "oom":
+            await admin.config_set("maxmemory-policy", "noeviction")
+            await admin.config_set("maxmemory", "1")  # below what is used: OOM
+        else:
+            # A replica of a master that is not there: READONLY, data kept.
+            await admin.replicaof("127.0.0.1", str(free_port()))
+        yield
+    finally:
+        if how == "oom":
+            await admin.config_set("maxmemory", "0")
+        else:
+            await admin.replicaof("NO", "ONE")
+        await admin.aclose()
+
+
+@pytest.mark.parametrize("how", ["oom", "readonly"])
+async def test_write_refusing_errors_degrade_serve_and_reconcile(
+    server: EmbeddedRedis, node: Coordinator, how: str
+) -> None:
+    """maxmemory + noeviction (or a read-only replica): no 500, degraded, reconciled."""
+    c = node
+    await c.renew_lease()
+    kept = [(await c.reserve(100, 10)).rid for _ in range(3)]
+    async with refusing_writes(server, how):
+        made = [await c.reserve(100, 10) for _ in range(3)]
+        assert all(r.degraded for r in made)
+        assert c.coordination == "degraded"
+        assert c.stats.write_refusals >= 1
+        assert (await c.snapshot()).coordination == "degraded"
+        assert await c.mark_first_token(kept[0]) is True
+        assert await c.release(kept[1]) is True
+        assert await c.release(made[0].rid) is True
+        # Lease renewals fail too: the node keeps serving and waits for the window to end.
+        with pytest.raises(CoordinationUnavailableError):
+            await c.renew_lease()
+    await wait_for(lambda: c.coordination == "ok", what="coordination to recover")
+    await assert_redis_equals_local(c)
+    records = await live_reservations(c)
+    assert set(records) == {kept[0], kept[2], made[1].rid, made[2].rid}
+    assert records[kept[0]]["phase"] == "decode"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "OOM command not allowed when used memory > 'maxmemory'.",
+        "Error running script (call to f_x): @user_script:12: OOM command not allowed",
+        "READONLY You can't write against a read only replica.",
+        "MISCONF Redis is configured to save RDB snapshots, but it's unable to persist",
+        "NOREPLICAS Not enough good replicas to write.",
+    ],
+)
+def test_write_refusing_replies_are_recognised(text: str) -> None:
+    assert is_write_refused(ResponseError(text))
+    assert is_write_refused(OutOfMemoryError("command not allowed"))
+    assert is_write_refused(ReadOnlyError("You can't write against a read only replica."))
+    assert not is_write_refused(ResponseError("ERR unknown command 'FOO'"))

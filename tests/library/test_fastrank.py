@@ -70,7 +70,16 @@ def rows(draw: st.DrawFn) -> list[InstanceRow]:
     rows(),
     st.integers(0, 20),
     st.integers(1, 6),
-    st.sampled_from([Weights(), Weights(backlog_ms=0.0), Weights(inflight=0.0)]),
+    st.sampled_from(
+        [
+            Weights(),
+            Weights(backlog_ms=0.0),
+            Weights(inflight=0.0),
+            # Valid weights whose totals overflow to inf on some or every candidate.
+            Weights(engine_waiting=1e300, inflight=1.7e308, pending_prefill=1.7e308),
+            Weights(inflight=1.7e308, backlog_ms=1.7e308),
+        ]
+    ),
 )
 def test_fast_ranking_equals_reference(
     pool_rows: list[InstanceRow], rr_start: int, k: int, weights: Weights
@@ -116,3 +125,28 @@ def test_incremental_sync_tracks_changes() -> None:
     )
     assert second[0].id == "b"
     assert cache.dirty == set()
+
+
+def test_every_total_inf_ranks_like_the_reference() -> None:
+    """engine_waiting=1e300 with huge hints: every total is inf, and all of them tie."""
+    pool_rows = []
+    for i in range(3):
+        spec = InstanceSpec(id=f"i{i}", url="http://127.0.0.1:1")
+        hints = {"engine_waiting": Hint(1e300, NOW)}
+        pool_rows.append(InstanceRow(spec.id, spec, 1, NOW, 0, i, 0, i, NOW, None, 1, hints))
+    cache = PoolCache()
+    cache.rows = {r.id: r for r in pool_rows}
+    cache.membership = 1
+    weights = Weights(engine_waiting=1e300)
+    adjusted = [instance_load(r, NOW, instance_ttl_ms=TTL, hint_ttl_ms=HINT_TTL) for r in pool_rows]
+    columns = ColumnarPool()
+    firsts = set()
+    for start in range(3):
+        fast, fast_scores = columns.rank_least_load(
+            cache, NOW, weights, RoundRobin(start), instance_ttl_ms=TTL, hint_ttl_ms=HINT_TTL, k=3
+        )
+        ref = least_load(eligible(adjusted), weights, RoundRobin(start))
+        assert [r.id for r in fast] == [r.id for r in ref.ranked]
+        assert all(fast_scores[r.id].total == float("inf") for r in fast)
+        firsts.add(fast[0].id)
+    assert firsts == {"i0", "i1", "i2"}, "tied at inf: the rotation spreads the choice"

@@ -157,6 +157,7 @@ def calls(draw: st.DrawFn, name: str) -> Call:
             draw(counts),
             draw(since),
             draw(run_ids),
+            draw(st.sampled_from(["0", "600000"])),
             str(n),
         ]
         for _ in range(n):
@@ -205,6 +206,11 @@ async def reset(pool: Pool) -> None:
     """Rebuild the baseline: two instances, a prefill and a decode reservation, a lease."""
     c = pool.coordinator
     await delete_pool(pool.raw, c.settings.key_prefix, c.pool)
+    # The node starts over too: what it held went with the pool, not to a reaper.
+    c._local.clear()
+    c._pending_releases.clear()
+    c._leased = False
+    c._cache.run_id = ""  # a new run, not a lost one
     await c.renew_lease()
     timing = {"prefill_ms_per_token": 0.1, "prefill_overhead_ms": 5.0, "decode_ms_per_token": 2.0}
     await c.register_instance(InstanceSpec(id="i0", url="http://127.0.0.1:9", **timing))
@@ -250,6 +256,8 @@ def changed_nothing(name: str, reply: Any) -> bool:
         ("reserve", "stale"),
         ("reserve", "none"),
         ("reserve", "full"),
+        ("reserve", "nolease"),
+        ("restore", "nolease"),
         ("reap_node", "alive"),
         ("restore", "void"),
         ("restore", "exists"),
@@ -302,7 +310,7 @@ async def check(pool: Pool, call: Call) -> None:
 BASE_CALLS: dict[str, list[str]] = {
     "snapshot": ["0", ""],
     "reserve": [
-        *("r-new", NODE, "100", "10", "1", "1", "600000", "0", "", "1"),
+        *("r-new", NODE, "100", "10", "1", "1", "600000", "0", "", "0", "1"),
         *("i0", "0", "15", "20", "0", "0"),
     ],
     "mark_first_token": [PREFILL_RID, "0", ""],

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from coordinator import Coordinator
+from coordinator.errors import CoordinationUnavailableError
 from coordinator.snapshot import PoolCache
 from tests.conftest import MakeCoordinator
-from tests.helpers import delete_pool, spec
+from tests.helpers import delete_pool, spec, wait_for
 
 POOL_SIZE = 50
 
@@ -31,6 +34,14 @@ async def assert_cache_is_current(c: Coordinator) -> None:
     assert c._cache.run_id == fresh.run_id
     assert c._cache.version == fresh.version
     assert c._cache.rows == fresh.rows
+
+
+async def notice_pool_lost(c: Coordinator) -> None:
+    """A node's next read sees the new run: it re-asserts, then reads the pool afresh."""
+    with pytest.raises(CoordinationUnavailableError):
+        await c.refresh()
+    assert c.coordination == "degraded"
+    await wait_for(lambda: c.coordination == "ok", what="the re-assert after the pool was lost")
 
 
 async def two_nodes(make_coordinator: MakeCoordinator) -> tuple[Coordinator, Coordinator]:
@@ -181,7 +192,7 @@ async def test_pool_lost_means_new_run_and_full_reread(make_coordinator: MakeCoo
     applied = cache.rows_applied
     reply = await raw_snapshot(a, *cache.since())
     assert int(reply[3]) == 1, "a changed run must answer with a full read"
-    await a.refresh()
+    await notice_pool_lost(a)
     assert cache.run_id != old_run
     assert set(cache.rows) == {"i1", "i2", "i60"}
     assert cache.rows_applied - applied == 3
@@ -203,7 +214,7 @@ async def test_pool_lost_with_nothing_back_empties_the_cache(
     await a.refresh()
     old_run = a._cache.run_id
     await delete_pool(a.redis, a.settings.key_prefix, a.pool)
-    await a.refresh()
+    await notice_pool_lost(a)
     assert a._cache.run_id != old_run
     assert a._cache.rows == {}
     assert (await a.snapshot()).rows == []

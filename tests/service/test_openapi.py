@@ -27,7 +27,14 @@ import yaml
 
 from coordinator import InstanceSpec
 from coordinator.keys import ID_RE
-from coordinator.models import HINT_NAMES, ROLES
+from coordinator.models import (
+    HINT_NAMES,
+    MAX_MS_PER_TOKEN,
+    MAX_OVERHEAD_MS,
+    MAX_SLOTS,
+    MAX_WEIGHT,
+    ROLES,
+)
 from coordinator.settings import STRATEGIES
 from proxy_node.app import create_app, create_control_app
 from proxy_node.config import NodeConfig
@@ -125,7 +132,14 @@ def test_schemas_match_the_code() -> None:
     assert spec["properties"]["role"]["enum"] == list(ROLES)
     assert set(schemas["Hints"]["properties"]) == set(HINT_NAMES)
     assert schemas["Strategy"]["enum"] == list(STRATEGIES)
-    assert schemas["Id"]["pattern"] == ID_RE.pattern
+    # The same id rule: ECMA `^...$` in the document, Python `...\Z` in the code.
+    assert schemas["Id"]["pattern"] == "^" + ID_RE.pattern.removesuffix("\\Z") + "$"
+    props = spec["properties"]
+    assert props["max_slots"]["maximum"] == MAX_SLOTS
+    assert props["weight"]["maximum"] == MAX_WEIGHT
+    for name in ("prefill_ms_per_token", "decode_ms_per_token"):
+        assert props[name]["maximum"] == MAX_MS_PER_TOKEN, name
+    assert props["prefill_overhead_ms"]["maximum"] == MAX_OVERHEAD_MS
     defaults = InstanceSpec(id="x", url="http://h")
     for name, prop in spec["properties"].items():
         if "default" in prop:

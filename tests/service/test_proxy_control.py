@@ -93,8 +93,26 @@ async def test_instance_lifecycle_through_the_control_plane(harness: Harness) ->
         {"id": "e1", "url": "http://127.0.0.1:9", "max_slots": -1},
         {"id": "e1", "url": "http://127.0.0.1:9", "surprise": 1},
         ["e1"],
+        {"id": "e1\n", "url": "http://127.0.0.1:9"},
+        {"id": "e1", "url": "http://127.0.0.1:9", "prefill_ms_per_token": 1e300},
+        {"id": "e1", "url": "http://127.0.0.1:9", "decode_ms_per_token": 1.7e308},
+        {"id": "e1", "url": "http://127.0.0.1:9", "prefill_overhead_ms": 1e12},
+        {"id": "e1", "url": "http://127.0.0.1:9", "max_slots": 10**7},
     ],
-    ids=["no-id", "bad-id", "bad-url", "bad-role", "bad-slots", "unknown-field", "not-object"],
+    ids=[
+        "no-id",
+        "bad-id",
+        "bad-url",
+        "bad-role",
+        "bad-slots",
+        "unknown-field",
+        "not-object",
+        "id-newline",
+        "huge-prefill",
+        "huge-decode",
+        "huge-overhead",
+        "huge-slots",
+    ],
 )
 async def test_invalid_registration_is_422(harness: Harness, body: Any) -> None:
     node = await harness.node()
@@ -102,6 +120,19 @@ async def test_invalid_registration_is_422(harness: Harness, body: Any) -> None:
     assert status == 422
     assert doc["error"]["code"] == "invalid_instance" and doc["error"]["message"]
     assert await node.coordinator.list_instances(include_dead=True) == []
+
+
+@pytest.mark.parametrize("method", ["DELETE", "POST"])
+async def test_an_id_with_a_trailing_newline_is_a_4xx(harness: Harness, method: str) -> None:
+    """`abc%0A` once passed the `$`-anchored id check and became a 500 in the script."""
+    node = await harness.node()
+    base = node.control_url + "/v1/instances"
+    assert (await call(harness, "POST", base, {"id": "abc", "url": "http://127.0.0.1:9"}))[0] == 201
+    path = base + "/abc%0A" + ("/heartbeat" if method == "POST" else "")
+    status, doc = await call(harness, method, path)
+    assert status == 404, doc
+    assert doc["error"]["code"] == "unknown_instance"
+    assert [r.id for r in await node.coordinator.list_instances()] == ["abc"]
 
 
 async def test_token_guards_writes_and_leaves_reads_open(harness: Harness) -> None:
