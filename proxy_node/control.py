@@ -81,14 +81,13 @@ async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
         async with asyncio.timeout(timeout_s):
             raw = await request.read()
     except TimeoutError:
+        # The unread rest of the body must not be parsed as a request: the connection ends.
         stalled = json_error(
-            408, f"request body not received within {timeout_s:g} s", "body_timeout"
+            408, f"request body not received within {timeout_s:g} s", "body_timeout", closing=True
         )
-        stalled.force_close()  # the unread rest of the body must not be parsed as a request
         raise _Reject(stalled) from None
     except web.RequestPayloadError:  # e.g. a body that fails its Content-Encoding
-        unreadable = json_error(400, "unreadable request body", "invalid_body")
-        unreadable.force_close()
+        unreadable = json_error(400, "unreadable request body", "invalid_body", closing=True)
         raise _Reject(unreadable) from None
     if optional and not raw.strip():
         return None

@@ -103,9 +103,9 @@ class EdgeRequestHandler(RequestHandler):
         log.warning("refused a malformed request from %s: %d %s", request.remote, status, detail)
         if request.writer.output_size > 0:
             raise ConnectionError("a response was already sent; cannot send the error")
-        response = json_error(status, f"malformed HTTP request: {detail}", "malformed_request")
-        response.force_close()
-        return response
+        return json_error(
+            status, f"malformed HTTP request: {detail}", "malformed_request", closing=True
+        )
 
 
 def _parser_detail(exc: BaseException | None, message: str | None) -> str:

@@ -144,12 +144,14 @@ class Exchange:
         code: str,
         res: Reservation | None = None,
         extra: dict[str, str] | None = None,
+        *,
+        closing: bool = False,
     ) -> web.Response:
         self.status = status
         self.outcome = code
         headers = self._headers(res)
         headers.update(extra or {})
-        return json_error(status, message, code, headers)
+        return json_error(status, message, code, headers, closing=closing)
 
     def _headers(self, res: Reservation | None) -> dict[str, str]:
         if res is None:
@@ -170,9 +172,8 @@ class Exchange:
         limit = self.config.max_body_bytes
         too_large = f"request body is larger than {limit} bytes"
         if request.content_length is not None and request.content_length > limit:
-            response = self._error(413, too_large, "body_too_large")
-            response.force_close()  # the unread body must not be parsed as a request
-            return response
+            # The unread body must not be parsed as a request: the connection ends.
+            return self._error(413, too_large, "body_too_large", closing=True)
         data = bytearray()
         try:
             # One deadline for the whole body: a client trickling bytes cannot hold the
@@ -181,24 +182,20 @@ class Exchange:
                 async for chunk in request.content.iter_any():
                     data += chunk
                     if len(data) > limit:
-                        response = self._error(413, too_large, "body_too_large")
-                        response.force_close()
-                        return response
+                        return self._error(413, too_large, "body_too_large", closing=True)
         except ConnectionError:
             self.status, self.outcome = 499, "client_disconnect"
             return web.Response(status=499)
         except TimeoutError:
-            response = self._error(
+            return self._error(
                 408,
                 f"request body not received within {self.config.body_timeout_s:g} s",
                 "body_timeout",
+                closing=True,
             )
-            response.force_close()
-            return response
         except web.RequestPayloadError as exc:  # e.g. a body that fails its Content-Encoding
-            response = self._error(400, f"unreadable request body: {_cause(exc)}", "invalid_body")
-            response.force_close()
-            return response
+            message = f"unreadable request body: {_cause(exc)}"
+            return self._error(400, message, "invalid_body", closing=True)
         self.body = bytes(data)
         try:
             parsed = parse_completion(
