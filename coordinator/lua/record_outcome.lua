@@ -6,7 +6,8 @@
 -- apart than the window do not add up (nginx max_fails within fail_timeout).
 -- KEYS[1..16] = the pool columns (coordinator/keys.py COLUMNS)
 -- KEYS[17] = {pool}:outliers  hash "<id>:fails", "<id>:last_fail_ms", "<id>:until_ms",
---   "<id>:ejections", "<id>:reason" (coordinator/keys.py PoolKeys.outliers)
+--   "<id>:ejections", "<id>:reason", "<id>:epoch" (coordinator/keys.py PoolKeys.outliers);
+--   a record of an older epoch is void: a restarted engine starts clean
 -- ARGV[1] = instance id
 -- ARGV[2] = outcome: 'ok' or 'fail'
 -- ARGV[3] = consecutive failures that eject (integer >= 1)
@@ -40,8 +41,14 @@ if percent == nil or percent ~= percent or percent < 0 or percent > 100 then
   return fail('bad_arg', 'max ejection percent must be in 0..100')
 end
 local now = now_ms()
-if not redis.call('HGET', K_EPOCH, id) then return {'unknown', 0, 0, 0, now} end
+local epoch = redis.call('HGET', K_EPOCH, id)
+if not epoch then return {'unknown', 0, 0, 0, now} end
 local function field(name) return tonumber(redis.call('HGET', O, id .. ':' .. name) or '0') end
+if redis.call('HGET', O, id .. ':epoch') ~= epoch then
+  redis.call('HDEL', O, id .. ':fails', id .. ':last_fail_ms', id .. ':until_ms',
+    id .. ':ejections', id .. ':reason')
+  redis.call('HSET', O, id .. ':epoch', epoch)
+end
 local until_ms, ejections, fails = field('until_ms'), field('ejections'), field('fails')
 if until_ms > now then return {'already', fails, until_ms, ejections, now} end
 if outcome == 'ok' then

@@ -288,3 +288,16 @@ async def test_a_shared_client_request_id_still_holds_two_reservations(harness: 
 
 async def _count(records: Any, n: int) -> bool:
     return len(await records) == n
+
+
+async def test_a_restarted_engine_starts_with_a_clean_record(harness: Harness) -> None:
+    coordinator = await harness.coordinator()
+    await coordinator.register_instance(InstanceSpec(id="e0", url="http://127.0.0.1:9"))
+    await coordinator.register_instance(InstanceSpec(id="e1", url="http://127.0.0.1:10"))
+    policy = OutlierPolicy(consecutive_failures=1, base_ejection_ms=60_000)
+    assert (await coordinator.record_outcome("e0", False, policy, "x")).state == "ejected"
+    assert (await coordinator.read_outliers()).ejected_ids() == {"e0"}
+    # The engine restarts: a new epoch is a new process, not the one that failed.
+    await coordinator.register_instance(InstanceSpec(id="e0", url="http://127.0.0.1:9", epoch=2))
+    assert (await coordinator.read_outliers()).states == {}
+    assert (await coordinator.record_outcome("e0", True, policy)).state == "ok"
