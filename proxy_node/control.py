@@ -115,8 +115,9 @@ async def register(request: web.Request) -> web.Response:
     """POST /v1/instances[?change_url=true]: register (or update) an instance.
 
     Moving a registered id to another URL would send its traffic there, so it must be
-    asked for (`?change_url=true`), needs a node with a token, and is logged; an
-    instance this node serves statically (`--instance`) never moves.
+    asked for (`?change_url=true`, or a higher epoch: an engine restarted elsewhere)
+    and is logged; with a token, like every write, it is authenticated. An instance
+    this node serves statically (`--instance`) never moves.
     """
     coordinator = _coordinator(request)
     try:
@@ -171,25 +172,21 @@ async def _check_url(
     if current is None or current.url == spec.url:
         return None
     asked = request.query.get("change_url", "").lower() in ("1", "true", "yes")
-    if not asked:
+    restarted = spec.epoch > current.epoch  # a new process, declaring itself
+    if not (asked or restarted):
         return json_error(
             409,
             f"instance {spec.id} is registered at {current.url}; moving it to {spec.url} "
-            "needs ?change_url=true (and a node token)",
+            "needs ?change_url=true (or a new epoch, from a restarted engine)",
             "url_change",
         )
-    if config.token is None:
-        return json_error(
-            403,
-            "changing an instance's URL needs a control-plane token (--token)",
-            "url_change_needs_token",
-        )
     log.warning(
-        "instance %s moved from %s to %s by %s (?change_url=true)",
+        "instance %s moved from %s to %s by %s (%s)",
         spec.id,
         current.url,
         spec.url,
         request.remote,
+        "?change_url=true" if asked else f"restarted, epoch {current.epoch} -> {spec.epoch}",
     )
     return None
 
