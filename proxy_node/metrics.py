@@ -152,7 +152,7 @@ class NodeMetrics:
         )
         self.connect_retries = Counter(
             "proxy_upstream_connect_retries",
-            "Requests retried on another instance after a connection failure",
+            "Requests retried on another instance after a failure that reached no client byte (refused, connect or first-byte timeout, empty answer)",
             registry=r,
         )
         self.accept_errors = Counter(
