@@ -12,9 +12,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from rich.console import Console
 
 from coordinator import InstanceSpec
 from coordinator.outliers import OutlierPolicy
+from proxy_node.inspect import read_pool, render
 from tests.fake_engine import FakeEngine, Harness, NodeServer, settled
 from tests.helpers import live_reservations, wait_for
 from tests.service.test_proxy_forwarding import CHAT, metric, post
@@ -301,3 +303,23 @@ async def test_a_restarted_engine_starts_with_a_clean_record(harness: Harness) -
     await coordinator.register_instance(InstanceSpec(id="e0", url="http://127.0.0.1:9", epoch=2))
     assert (await coordinator.read_outliers()).states == {}
     assert (await coordinator.record_outcome("e0", True, policy)).state == "ok"
+
+
+async def test_inspect_shows_the_ejection(harness: Harness) -> None:
+    coordinator = await harness.coordinator()
+    for i in range(2):
+        await coordinator.register_instance(
+            InstanceSpec(id=f"e{i}", url=f"http://127.0.0.1:{9 + i}")
+        )
+    policy = OutlierPolicy(consecutive_failures=1, base_ejection_ms=60_000)
+    await coordinator.record_outcome("e1", False, policy, "status_502")
+    state = await read_pool(coordinator, coordinator.settings)
+    rows = {row["id"]: row for row in state.loads["instances"]}
+    assert rows["e1"]["outlier"]["ejected"] and rows["e1"]["rank"] is None
+    assert rows["e0"]["rank"] == 0
+    console = Console(width=200, record=True, highlight=False)
+    console.print(render(state, harness.redis_url, 200))
+    text = console.export_text()
+    assert "1 ejected" in text
+    e1 = next(line for line in text.splitlines() if " e1 " in f" {line} ")
+    assert "ejected(" in e1
