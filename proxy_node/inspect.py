@@ -29,6 +29,7 @@ from coordinator.coordinator import Coordinator
 from coordinator.errors import CoordinatorError, InvalidArgumentError
 from coordinator.keys import POOL_NAME_RE, PoolKeys
 from coordinator.settings import Settings
+from coordinator.tasks import raise_if_cancelling
 from proxy_node.views import instance_loads_view, selection_exclusions
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -220,6 +221,7 @@ async def _watch(coordinator: Coordinator, args: argparse.Namespace, settings: S
                         style="red",
                     )
                 live.update(frame, refresh=True)
+                raise_if_cancelling()  # redis-py may have swallowed Ctrl-C's cancel
                 await asyncio.sleep(args.watch)
     finally:
         if current is not None:
