@@ -17,6 +17,9 @@ SCRIPT_NAMES = (
     "renew_lease",
     "reap_node",
     "restore",
+    "record_outcome",
+    "read_outliers",
+    "store_hints",
 )
 
 

@@ -105,6 +105,19 @@ LAYOUTS: dict[str, list[Any]] = {
     "renew_lease": [ids, st.integers(1, 86_400_000).map(str)],
     "reap_node": [ids],
     "restore": [rids, ids, ids, st.integers(0, 3).map(str), phases, tokens, tokens, ms, ms],
+    "record_outcome": [
+        ids,
+        st.sampled_from(["ok", "fail"]),
+        st.integers(1, 10).map(str),
+        st.integers(1, 86_400_000).map(str),
+        st.integers(1, 1000).map(str),
+        st.integers(1000, 86_400_000).map(str),
+        st.floats(0, 100).map(repr),
+        ms,
+        st.text(max_size=80),
+    ],
+    "read_outliers": [],
+    "store_hints": [ids, hint, hint, hint],
 }
 
 
@@ -241,12 +254,14 @@ def extra_keys(c: Coordinator, call: Call) -> list[str]:
         return [c.keys.node_rids(node if ID_RE.match(node) else NODE)]
     if call.name in ("reserve", "release", "restore"):
         return [c.keys.node_rids(NODE)]
+    if call.name in ("record_outcome", "read_outliers"):
+        return [c.keys.outliers()]
     return []
 
 
 def changed_nothing(name: str, reply: Any) -> bool:
     """Whether a successful reply says the call wrote nothing."""
-    if name == "snapshot":
+    if name in ("snapshot", "read_outliers"):
         return True
     status = reply[0] if isinstance(reply, list) and reply else None
     return (name, status) in {
@@ -261,6 +276,7 @@ def changed_nothing(name: str, reply: Any) -> bool:
         ("reap_node", "alive"),
         ("restore", "void"),
         ("restore", "exists"),
+        ("record_outcome", "unknown"),
     }
 
 
@@ -268,6 +284,7 @@ ALLOWED_ERRORS = {
     "heartbeat": (UnknownInstanceError,),
     "unregister": (UnknownInstanceError,),
     "register": (EpochFencedError,),
+    "store_hints": (UnknownInstanceError,),
 }
 
 
@@ -321,6 +338,9 @@ BASE_CALLS: dict[str, list[str]] = {
     "renew_lease": [NODE, "600000"],
     "reap_node": ["n0"],
     "restore": ["r-new", NODE, "i0", "1", "prefill", "100", "10", "15", "20"],
+    "record_outcome": ["i0", "fail", "1", "10000", "100", "1000", "50", "10000", "status_500"],
+    "read_outliers": [],
+    "store_hints": ["i0", "1.5", "", "2"],
 }
 SWEEP_VALUES = ["-0", "-0.0", "-1", "0x10", " 5", "1e3", "1.5", "nan", "inf", "", "{", "x" * 129]
 
