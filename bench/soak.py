@@ -272,6 +272,8 @@ class Soak:
             async with self.http.post(url, json=body, headers={"X-Request-Id": req.rid}) as resp:
                 req.status = resp.status
                 req.instance = resp.headers.get("X-Instance-Id", "")
+                # The node names its reservation (a client's X-Request-Id is not it).
+                req.rid = resp.headers.get("X-Reservation-Id", req.rid)
                 if resp.status == 200:
                     self.open[req.rid] = req
                 if resp.status != 200:

@@ -48,11 +48,13 @@ from coordinator.models import (
     InstanceSpec,
     Reservation,
 )
+from coordinator.outliers import Outcome, OutlierPolicy, OutlierView, parse_outliers
 from coordinator.pressure import instance_load
 from coordinator.scripts import Scripts
 from coordinator.settings import STRATEGIES, Settings
 from coordinator.snapshot import PoolCache, Snapshot
 from coordinator.strategies import Ranking, RoundRobin, eligible, rank
+from coordinator.tasks import raise_if_cancelling
 
 log = logging.getLogger(__name__)
 
@@ -662,9 +664,14 @@ class Coordinator:
         prefill_ms, decode_ms = int(reply[4]), int(reply[5])
         row = self._cache.rows.get(iid)
         url = row.spec.url if row else ""
-        if rid not in self._local:  # a duplicate rid keeps the phase this node knows
+        known = self._local.get(rid)
+        if known is None or (known.instance_id, known.epoch) != (iid, epoch):
+            # A new claim, or one Redis made where this node's entry is stale (its
+            # epoch was voided): Redis' record is where the reservation is counted.
+            # A duplicate of the claim this node knows keeps the phase it knows.
+            phase = known.phase if known is not None and str(reply[0]) == "dup" else "prefill"
             self._local[rid] = LocalReservation(
-                rid, iid, epoch, "prefill", prompt, expected, prefill_ms, decode_ms, in_redis=True
+                rid, iid, epoch, phase, prompt, expected, prefill_ms, decode_ms, in_redis=True
             )
         timed = row is not None and row.spec.has_timing
         return Reservation(
@@ -837,6 +844,7 @@ class Coordinator:
                 # A long re-assert must not outlive the lease it writes under.
                 with suppress(*UNAVAILABLE, CoordinationUnavailableError):
                     await self._renew_directly()
+            raise_if_cancelling()
             await asyncio.sleep(period)
 
     async def _renew_directly(self) -> None:
@@ -849,6 +857,7 @@ class Coordinator:
         """Probe Redis until it answers, then re-assert lease, registrations, reservations."""
         interval = self.settings.recovery_interval_ms / 1000
         while True:
+            raise_if_cancelling()
             await asyncio.sleep(interval)
             try:
                 await self._reassert()
@@ -987,6 +996,50 @@ class Coordinator:
         # Redis already held the rid (a reserve whose reply was lost): its record,
         # not this node's guess, says where the reservation is counted.
         local.instance_id, local.epoch = str(reply[1]), int(reply[2])
+
+    # ------------------------------------------------------------------ passive health
+
+    async def record_outcome(
+        self, instance_id: str, ok: bool, policy: OutlierPolicy, reason: str = ""
+    ) -> Outcome:
+        """Count one exchange with an instance, fleet-wide; may eject it (record_outcome.lua)."""
+        if not isinstance(instance_id, str) or not ID_RE.match(instance_id):
+            raise InvalidArgumentError(f"instance id {instance_id!r} is not a valid id")
+        reply = await self._call(
+            "record_outcome",
+            [
+                instance_id,
+                "ok" if ok else "fail",
+                max(1, policy.consecutive_failures),
+                policy.failure_window_ms,
+                policy.base_ejection_ms,
+                policy.max_ejection_ms,
+                repr(float(policy.max_ejection_percent)),
+                self.settings.instance_ttl_ms,
+                reason,
+            ],
+            (self.keys.outliers(),),
+        )
+        return Outcome(str(reply[0]), int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]))
+
+    async def read_outliers(self) -> OutlierView:
+        """Every instance's passive-health record and the Redis time of the read."""
+        return parse_outliers(await self._call("read_outliers", [], (self.keys.outliers(),)))
+
+    async def store_hints(self, instance_id: str, hints: dict[str, float]) -> int:
+        """Store scraped engine hints without refreshing liveness; returns the epoch."""
+        values = []
+        for name in HINT_NAMES:
+            value = hints.get(name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 0 <= float(value) < float("inf")
+            ):
+                raise InvalidArgumentError(f"hint {name} must be a finite number >= 0")
+            values.append("" if value is None else repr(float(value)))
+        reply = await self._call("store_hints", [instance_id, *values])
+        return int(reply[1])
 
     async def _direct_call(
         self, name: str, args: list[Any], extra: tuple[str | bytes, ...] = ()

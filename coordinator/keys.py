@@ -72,6 +72,10 @@ class PoolKeys:
         """Set of reservation ids a node holds; the reaper drains it."""
         return f"{self.stem}:node:{node_id}:rids"
 
+    def outliers(self) -> str:
+        """Hash of passive-health state, "<id>:<field>" (see lua/record_outcome.lua)."""
+        return f"{self.stem}:outliers"
+
     def pattern(self) -> str:
         """A SCAN/ACL pattern matching every key of the pool."""
         return f"{self.stem}:*"

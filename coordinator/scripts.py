@@ -19,6 +19,9 @@ SCRIPT_NAMES = (
     "renew_lease",
     "reap_node",
     "restore",
+    "record_outcome",
+    "read_outliers",
+    "store_hints",
 )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import suppress
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -22,15 +21,18 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from coordinator import Coordinator
 from coordinator.strategies import eligible, score_rows
+from coordinator.tasks import stop_task
 from proxy_node import control, hints, static
 from proxy_node.config import NodeConfig
 from proxy_node.dashboard import add_dashboard_routes
 from proxy_node.errors import json_errors
 from proxy_node.forwarding import completions
+from proxy_node.health import PassiveHealth
 from proxy_node.metrics import NodeMetrics
 from proxy_node.state import (
     CONFIG,
     COORDINATOR,
+    HEALTH,
     METRICS,
     SERVICE_APP,
     SESSION,
@@ -72,6 +74,7 @@ def create_app(config: NodeConfig, coordinator: Coordinator | None = None) -> we
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_static_instances_ctx)
     app.cleanup_ctx.append(_hint_scraper_ctx)
+    app.cleanup_ctx.append(_passive_health_ctx)
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
@@ -136,19 +139,19 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _static_instances_ctx(app: web.Application) -> AsyncIterator[None]:
     config, coordinator = app[CONFIG], app[COORDINATOR]
-    specs = static.static_specs(config.instances)
-    if not specs:
+    instances = static.static_instances(config.instances, config.instance_model)
+    if not instances:
         yield
         return
-    await static.register_all(coordinator, specs)
     interval = coordinator.settings.heartbeat_interval_ms / 1000
+    await static.maintain(
+        coordinator, app[SESSION], instances, min(interval, static.PROBE_TIMEOUT_S)
+    )
     task = asyncio.create_task(
-        static.keep_alive(coordinator, specs, interval), name="static-instances"
+        static.keep_alive(coordinator, app[SESSION], instances, interval), name="static-instances"
     )
     yield
-    task.cancel()
-    with suppress(asyncio.CancelledError):
-        await task
+    await stop_task(task)
 
 
 async def _hint_scraper_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -160,9 +163,18 @@ async def _hint_scraper_ctx(app: web.Application) -> AsyncIterator[None]:
         hints.scrape_loop(app[COORDINATOR], app[SESSION], interval), name="hint-scraper"
     )
     yield
-    task.cancel()
-    with suppress(asyncio.CancelledError):
-        await task
+    await stop_task(task)
+
+
+async def _passive_health_ctx(app: web.Application) -> AsyncIterator[None]:
+    health = PassiveHealth(app[COORDINATOR], app[CONFIG].outlier_policy, app[METRICS])
+    app[HEALTH] = health
+    if not health.policy.enabled:
+        yield
+        return
+    task = asyncio.create_task(health.refresh_loop(), name="passive-health")
+    yield
+    await stop_task(task)
 
 
 # ---------------------------------------------------------------------- handlers
@@ -170,15 +182,20 @@ async def _hint_scraper_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def healthz(request: web.Request) -> web.Response:
     """GET /healthz: node identity, coordination state, alive instances."""
-    coordinator = service_of(request.app)[COORDINATOR]
+    service = service_of(request.app)
+    coordinator = service[COORDINATOR]
     snap = await coordinator.snapshot()
+    ejected = service[HEALTH].ejected_ids()
+    alive = [row for row in snap.rows if row.alive]
     return web.json_response(
         {
             "status": "ok",
             "node_id": coordinator.node_id,
             "pool": coordinator.pool,
             "coordination": coordinator.coordination,
-            "alive_instances": sum(1 for row in snap.rows if row.alive),
+            # alive: the engine answered within the instance TTL (docs/reliability.md)
+            "alive_instances": len(alive),
+            "ejected_instances": sum(1 for row in alive if row.id in ejected),
         }
     )
 
@@ -188,10 +205,13 @@ async def metrics(request: web.Request) -> web.Response:
     service = service_of(request.app)
     coordinator = service[COORDINATOR]
     snap = await coordinator.snapshot()
+    outliers = await service[HEALTH].refresh()
     # Scored directly (not through rank()): a scrape must not advance the rotation.
-    scores = score_rows(eligible(snap.rows), coordinator.settings.weights)
+    ejected = outliers.ejected_ids()
+    candidates = [row for row in eligible(snap.rows) if row.id not in ejected]
+    scores = score_rows(candidates, coordinator.settings.weights)
     node_metrics = service[METRICS]
-    node_metrics.observe_snapshot(snap, scores)
+    node_metrics.observe_snapshot(snap, scores, outliers)
     return web.Response(body=node_metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -13,6 +14,7 @@ from urllib.parse import urlsplit
 from coordinator.connection import SCHEMES
 from coordinator.errors import InvalidArgumentError
 from coordinator.keys import ID_RE, POOL_NAME_RE
+from coordinator.outliers import OutlierPolicy
 from coordinator.settings import STRATEGIES, Settings
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -33,7 +35,54 @@ ENV_VARS: dict[str, tuple[str, ...]] = {
     "request_timeout_s": ("COORD_REQUEST_TIMEOUT_S",),
     "body_timeout_s": ("COORD_BODY_TIMEOUT_S",),
     "scrape_interval_s": ("COORD_SCRAPE_INTERVAL_S",),
+    "instance_model": ("COORD_INSTANCE_MODEL",),
+    "connect_timeout_s": ("COORD_CONNECT_TIMEOUT_S",),
+    "first_byte_timeout_s": ("COORD_FIRST_BYTE_TIMEOUT_S",),
+    "idle_timeout_s": ("COORD_IDLE_TIMEOUT_S",),
+    "header_timeout_s": ("COORD_HEADER_TIMEOUT_S",),
+    "max_connections": ("COORD_MAX_CONNECTIONS",),
+    "drain_timeout_s": ("COORD_DRAIN_TIMEOUT_S",),
+    "eject_consecutive_failures": ("COORD_EJECT_CONSECUTIVE_FAILURES",),
+    "eject_failure_window_s": ("COORD_EJECT_FAILURE_WINDOW_S",),
+    "eject_base_s": ("COORD_EJECT_BASE_S",),
+    "eject_max_s": ("COORD_EJECT_MAX_S",),
+    "eject_max_percent": ("COORD_EJECT_MAX_PERCENT",),
+    "insecure_open_control_plane": ("COORD_INSECURE_OPEN_CONTROL_PLANE",),
 }
+
+INT_FIELDS = frozenset({"port", "control_port", "max_body_bytes", "max_connections"})
+INT_FIELDS |= {"eject_consecutive_failures"}
+FLOAT_FIELDS = frozenset(
+    {
+        "request_timeout_s",
+        "body_timeout_s",
+        "scrape_interval_s",
+        "connect_timeout_s",
+        "first_byte_timeout_s",
+        "idle_timeout_s",
+        "header_timeout_s",
+        "drain_timeout_s",
+        "eject_failure_window_s",
+        "eject_base_s",
+        "eject_max_s",
+        "eject_max_percent",
+    }
+)
+BOOL_FIELDS = frozenset({"insecure_open_control_plane"})
+# Timeouts that must be > 0 (their meaning is in NodeConfig's field comments).
+POSITIVE_SECONDS = (
+    "request_timeout_s",
+    "body_timeout_s",
+    "connect_timeout_s",
+    "first_byte_timeout_s",
+    "idle_timeout_s",
+    "header_timeout_s",
+    "drain_timeout_s",
+    "eject_failure_window_s",
+    "eject_base_s",
+    "eject_max_s",
+)
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._:-]")
 
@@ -55,6 +104,23 @@ class NodeConfig:
     request_timeout_s: float = 600.0  # whole upstream exchange, streaming included
     body_timeout_s: float = 60.0  # reading one request body; a slower client gets 408
     scrape_interval_s: float = 2.0  # engine /metrics scrape period (0 = off)
+    instance_model: str | None = None  # model name of static instances (None = ask the engine)
+    connect_timeout_s: float = 5.0  # TCP connect to an engine; then another instance is tried
+    first_byte_timeout_s: float = 120.0  # request sent -> first response byte (whole answer
+    # of a non-streaming request); then another instance is tried, or 504
+    idle_timeout_s: float = 60.0  # longest silence between two chunks of a response
+    header_timeout_s: float = 60.0  # a client's request head (and an idle keep-alive) must
+    # arrive within this; slowloris connections are closed
+    max_connections: int = 0  # open client connections per plane (0 = half the open-file limit)
+    drain_timeout_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
+    eject_consecutive_failures: int = 5  # failures in a row that eject an instance (0 = off)
+    eject_failure_window_s: float = (
+        10.0  # failures further apart do not add up (nginx fail_timeout)
+    )
+    eject_base_s: float = 10.0  # first ejection; doubles with each repeat
+    eject_max_s: float = 300.0  # longest ejection (Envoy max_ejection_time)
+    eject_max_percent: float = 50.0  # never eject more than this share of the alive instances
+    insecure_open_control_plane: bool = False  # allow a tokenless control plane off loopback
     settings: Settings = field(default_factory=Settings)  # coordinator knobs (COORD_*)
 
     def __post_init__(self) -> None:
@@ -76,12 +142,9 @@ class NodeConfig:
                 raise InvalidArgumentError(f"{name} must be an integer in 0..65535, got {value!r}")
         if self.port and self.port == self.control_port and self.bind_control == self.host:
             raise InvalidArgumentError("port and control_port must differ")
-        for url in self.instances:
-            parts = urlsplit(url) if isinstance(url, str) else None
-            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-                raise InvalidArgumentError(
-                    f"instance URL must be http(s)://host[:port], got {url!r}"
-                )
+        object.__setattr__(
+            self, "instances", tuple(normalize_instance_url(url) for url in self.instances)
+        )
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
             raise InvalidArgumentError("token must be a non-empty string when set")
         if self.node_id is not None and (
@@ -96,13 +159,37 @@ class NodeConfig:
             raise InvalidArgumentError(
                 f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}"
             )
-        if not _finite(self.request_timeout_s) or self.request_timeout_s <= 0:
+        for name in POSITIVE_SECONDS:
+            value = getattr(self, name)
+            if not _finite(value) or value <= 0:
+                raise InvalidArgumentError(f"{name} must be a number > 0, got {value!r}")
+        for name in ("max_connections", "eject_consecutive_failures"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError(f"{name} must be an integer >= 0, got {value!r}")
+        if not _finite(self.eject_max_percent) or not 0 <= self.eject_max_percent <= 100:
             raise InvalidArgumentError(
-                f"request_timeout_s must be a number > 0, got {self.request_timeout_s!r}"
+                f"eject_max_percent must be a number in 0..100, got {self.eject_max_percent!r}"
             )
-        if not _finite(self.body_timeout_s) or self.body_timeout_s <= 0:
+        if _finite(self.eject_max_s) and _finite(self.eject_base_s):
+            if self.eject_max_s < self.eject_base_s:
+                raise InvalidArgumentError("eject_max_s must be >= eject_base_s")
+        if self.instance_model is not None and (
+            not isinstance(self.instance_model, str) or not self.instance_model.strip()
+        ):
+            raise InvalidArgumentError("instance_model must be a non-empty string when set")
+        if not isinstance(self.insecure_open_control_plane, bool):
+            raise InvalidArgumentError("insecure_open_control_plane must be a boolean")
+        if (
+            self.token is None
+            and not self.insecure_open_control_plane
+            and not is_loopback(self.bind_control)
+        ):
             raise InvalidArgumentError(
-                f"body_timeout_s must be a number > 0, got {self.body_timeout_s!r}"
+                f"refusing to serve the control plane on {self.bind_control!r} without a "
+                "token: anyone who reaches it could register engines and receive prompts. "
+                "Set --token (COORD_TOKEN), bind --control-host 127.0.0.1, or pass "
+                "--insecure-open-control-plane to accept the risk"
             )
         if not _finite(self.scrape_interval_s) or self.scrape_interval_s < 0:
             raise InvalidArgumentError(
@@ -115,6 +202,17 @@ class NodeConfig:
     def bind_control(self) -> str:
         """The control plane's bind address."""
         return self.control_host or self.host
+
+    @property
+    def outlier_policy(self) -> OutlierPolicy:
+        """The passive-health policy these settings describe."""
+        return OutlierPolicy(
+            consecutive_failures=self.eject_consecutive_failures,
+            failure_window_ms=max(1, round(self.eject_failure_window_s * 1000)),
+            base_ejection_ms=max(1, round(self.eject_base_s * 1000)),
+            max_ejection_ms=max(1, round(self.eject_max_s * 1000)),
+            max_ejection_percent=float(self.eject_max_percent),
+        )
 
     @property
     def strategy(self) -> str:
@@ -163,17 +261,57 @@ def _finite(value: Any) -> bool:
 def _parse(name: str, var: str, raw: str) -> Any:
     if name == "instances":
         return tuple(u.strip() for u in raw.split(",") if u.strip())
-    if name in ("port", "control_port", "max_body_bytes"):
+    if name in INT_FIELDS:
         try:
             return int(raw)
         except ValueError:
             raise InvalidArgumentError(f"{var} must be an integer, got {raw!r}") from None
-    if name in ("request_timeout_s", "body_timeout_s", "scrape_interval_s"):
+    if name in FLOAT_FIELDS:
         try:
             return float(raw)
         except ValueError:
             raise InvalidArgumentError(f"{var} must be a number, got {raw!r}") from None
+    if name in BOOL_FIELDS:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise InvalidArgumentError(f"{var} must be a boolean (1/0, true/false), got {raw!r}")
     return raw
+
+
+def normalize_instance_url(url: Any) -> str:
+    """An engine's base URL: `http(s)://host[:port][/prefix]`, a trailing `/v1` removed.
+
+    The node appends the client's path (`/v1/chat/completions`) to it, so a base URL
+    that already ends in `/v1` would send every request to `/v1/v1/...` (404).
+    """
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidArgumentError(f"instance URL must be http(s)://host[:port], got {url!r}")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise InvalidArgumentError(
+            f"instance URL must not carry a query, fragment or credentials, got {url!r}"
+        )
+    try:
+        parts.port  # noqa: B018 (raises on a port that is not a number in range)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"instance URL {url!r}: {exc}") from None
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")].rstrip("/")
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address only accepts local connections (names other than localhost: no)."""
+    name = host.strip().strip("[]").lower()
+    if name in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def instance_id_for(url: str) -> str:

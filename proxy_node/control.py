@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+from contextlib import suppress
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from redis.exceptions import RedisError
@@ -17,6 +20,7 @@ from redis.exceptions import RedisError
 from coordinator import Coordinator
 from coordinator.errors import (
     CoordinationUnavailableError,
+    CoordinatorError,
     EpochFencedError,
     InvalidArgumentError,
     UnknownInstanceError,
@@ -24,9 +28,12 @@ from coordinator.errors import (
 from coordinator.keys import ID_RE
 from coordinator.models import HINT_NAMES, InstanceSpec
 from coordinator.settings import STRATEGIES
+from proxy_node.config import instance_id_for
 from proxy_node.errors import Handler, json_error
-from proxy_node.state import CONFIG, COORDINATOR, SERVICE_APP
-from proxy_node.views import instance_loads_view
+from proxy_node.state import CONFIG, COORDINATOR, HEALTH, SERVICE_APP
+from proxy_node.views import instance_loads_view, selection_exclusions
+
+log = logging.getLogger(__name__)
 
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 DEFAULT_RESERVATIONS_LIMIT = 1000  # rows of /debug/reservations unless ?limit= says otherwise
@@ -74,14 +81,13 @@ async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
         async with asyncio.timeout(timeout_s):
             raw = await request.read()
     except TimeoutError:
+        # The unread rest of the body must not be parsed as a request: the connection ends.
         stalled = json_error(
-            408, f"request body not received within {timeout_s:g} s", "body_timeout"
+            408, f"request body not received within {timeout_s:g} s", "body_timeout", closing=True
         )
-        stalled.force_close()  # the unread rest of the body must not be parsed as a request
         raise _Reject(stalled) from None
     except web.RequestPayloadError:  # e.g. a body that fails its Content-Encoding
-        unreadable = json_error(400, "unreadable request body", "invalid_body")
-        unreadable.force_close()
+        unreadable = json_error(400, "unreadable request body", "invalid_body", closing=True)
         raise _Reject(unreadable) from None
     if optional and not raw.strip():
         return None
@@ -106,10 +112,19 @@ def _unavailable(exc: Exception) -> web.Response:
 
 
 async def register(request: web.Request) -> web.Response:
-    """POST /v1/instances: register (or update) an instance from an InstanceSpec body."""
+    """POST /v1/instances[?change_url=true]: register (or update) an instance.
+
+    Moving a registered id to another URL would send its traffic there, so it must be
+    asked for (`?change_url=true`, or a higher epoch: an engine restarted elsewhere)
+    and is logged; with a token, like every write, it is authenticated. An instance
+    this node serves statically (`--instance`) never moves.
+    """
     coordinator = _coordinator(request)
     try:
         spec = InstanceSpec.from_dict(await _json_body(request))
+        refused = await _check_url(request, coordinator, spec)
+        if refused is not None:
+            return refused
         result = await coordinator.register_instance(spec)
     except _Reject as reject:
         return reject.response
@@ -129,6 +144,51 @@ async def register(request: web.Request) -> web.Response:
         },
         status=201,
     )
+
+
+async def _check_url(
+    request: web.Request, coordinator: Coordinator, spec: InstanceSpec
+) -> web.Response | None:
+    """Refuse a registration that would move an instance to another URL without asking."""
+    if urlsplit(spec.url).path.rstrip("/").endswith("/v1"):
+        return json_error(
+            422,
+            f"url must be the engine's base URL, without /v1 (got {spec.url!r}): the node "
+            "appends the client's path, e.g. /v1/chat/completions",
+            "invalid_instance",
+        )
+    config = request.app[SERVICE_APP][CONFIG]
+    static = {instance_id_for(url): url for url in config.instances}
+    if spec.id in static and static[spec.id] != spec.url.rstrip("/"):
+        return json_error(
+            409,
+            f"instance {spec.id} is served statically by this node at {static[spec.id]}; "
+            "its URL cannot be changed by a registration",
+            "static_instance",
+        )
+    with suppress(CoordinatorError):
+        await coordinator.refresh()
+    current = (await coordinator.snapshot()).by_id().get(spec.id)
+    if current is None or current.url == spec.url:
+        return None
+    asked = request.query.get("change_url", "").lower() in ("1", "true", "yes")
+    restarted = spec.epoch > current.epoch  # a new process, declaring itself
+    if not (asked or restarted):
+        return json_error(
+            409,
+            f"instance {spec.id} is registered at {current.url}; moving it to {spec.url} "
+            "needs ?change_url=true (or a new epoch, from a restarted engine)",
+            "url_change",
+        )
+    log.warning(
+        "instance %s moved from %s to %s by %s (%s)",
+        spec.id,
+        current.url,
+        spec.url,
+        request.remote,
+        "?change_url=true" if asked else f"restarted, epoch {current.epoch} -> {spec.epoch}",
+    )
+    return None
 
 
 def _hints_of(body: Any) -> dict[str, Any]:
@@ -193,11 +253,12 @@ async def list_instances(request: web.Request) -> web.Response:
     include_dead = request.query.get("include_dead", "false").lower() in ("1", "true", "yes")
     coordinator = _coordinator(request)
     rows = await coordinator.list_instances(include_dead=include_dead)
+    ejected = request.app[SERVICE_APP][HEALTH].ejected_ids()
     return web.json_response(
         {
             "pool": coordinator.pool,
             "coordination": coordinator.coordination,
-            "instances": [row.as_dict() for row in rows],
+            "instances": [{**row.as_dict(), "ejected": row.id in ejected} for row in rows],
         }
     )
 
@@ -209,9 +270,16 @@ async def instance_loads(request: web.Request) -> web.Response:
     if strategy not in STRATEGIES:
         return json_error(400, f"strategy must be one of {STRATEGIES}", "invalid_strategy")
     snapshot = await coordinator.snapshot()
-    ranking = coordinator.rank(snapshot, strategy)
+    health = request.app[SERVICE_APP][HEALTH]
+    outliers = await health.refresh()
+    ranking = coordinator.rank(snapshot, strategy, exclude=selection_exclusions(snapshot, outliers))
     view = instance_loads_view(
-        snapshot, ranking, coordinator.settings, coordinator.node_id, coordinator.pool
+        snapshot,
+        ranking,
+        coordinator.settings,
+        coordinator.node_id,
+        coordinator.pool,
+        outliers,
     )
     return web.json_response(view)
 

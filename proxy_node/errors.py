@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
@@ -29,11 +30,41 @@ def error_body(status: int, message: str, code: str) -> dict[str, dict[str, str]
     return {"error": {"message": message, "type": kind, "code": code}}
 
 
+class ClosingResponse(web.Response):
+    """A response after which the connection closes, gracefully.
+
+    The request's body was not read to its end (too large, too slow, unreadable), so
+    the connection cannot carry another request. Closing the socket while the client
+    is still sending makes the kernel answer with a reset, which can destroy the
+    response before the client reads it. Instead the write side is shut down right
+    after the response (the client reads the answer, then EOF) while aiohttp's
+    lingering close drains whatever the client still sends, until it closes too.
+    """
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        """Send the end of the response, then half-close the connection (FIN)."""
+        request = self._req  # write_eof forgets the request
+        await super().write_eof(data)
+        transport = request.transport if request is not None else None
+        if transport is not None and not transport.is_closing() and transport.can_write_eof():
+            transport.write_eof()
+
+
 def json_error(
-    status: int, message: str, code: str, headers: Mapping[str, str] | None = None
+    status: int,
+    message: str,
+    code: str,
+    headers: Mapping[str, str] | None = None,
+    *,
+    closing: bool = False,
 ) -> web.Response:
-    """A JSON error response."""
-    return web.json_response(error_body(status, message, code), status=status, headers=headers)
+    """A JSON error response; `closing`: the connection ends after it (see ClosingResponse)."""
+    body = json.dumps(error_body(status, message, code))
+    cls = ClosingResponse if closing else web.Response
+    response = cls(text=body, status=status, headers=headers, content_type="application/json")
+    if closing:
+        response.force_close()
+    return response
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -4,6 +4,17 @@ One `Exchange` per client request. The reservation is released in `finally` on e
 path: completion, engine error, connection failure, client disconnect, timeout.
 aiohttp does not cancel a handler when its client goes away, so a watcher task polls
 the client's transport and ends the exchange when it closes.
+
+Waits are bounded three ways (docs/reliability.md): connecting to the engine
+(`connect_timeout_s`), from sending the request to the first response byte
+(`first_byte_timeout_s`), and between two chunks (`idle_timeout_s`). A failure before
+any byte went to the client (refused, connect or first-byte timeout, empty 200) is
+retried once on another instance; otherwise the client gets a 502/504 JSON error, or a
+cut connection when part of the answer already went out. Every failed exchange is
+reported to passive health (proxy_node/health.py), which may eject the instance.
+
+The reservation id is always the node's own: a client's `X-Request-Id` is kept for
+logs and headers only, so two requests that share it still hold two reservations.
 """
 
 from __future__ import annotations
@@ -28,18 +39,25 @@ from coordinator.models import Reservation
 from proxy_node.errors import json_error
 from proxy_node.headers import copy_response_headers, request_headers
 from proxy_node.intake import RequestRejectedError, parse_completion
-from proxy_node.state import CONFIG, COORDINATOR, METRICS, SESSION, STATE
+from proxy_node.state import CONFIG, COORDINATOR, HEALTH, METRICS, SESSION, STATE
 from proxy_node.usage import OutputCounter
 
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.2  # how soon a vanished client frees its reservation when idle
-CONNECT_TIMEOUT_S = 5.0  # an unreachable engine fails fast enough to retry elsewhere
 ERROR_DETAIL_BYTES = 512  # of an engine's 5xx body, quoted in the 502 message
+MAX_ATTEMPTS = 2  # instances tried for one request when nothing reached the client
 
 
-class _ConnectFailedError(Exception):
-    """The engine could not be reached; nothing was sent to it (safe to retry)."""
+class _RetryableError(Exception):
+    """The exchange failed before any byte reached the client: another instance may serve it."""
+
+    def __init__(self, status: int, message: str, code: str, res: Reservation) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.res = res  # the failed attempt's reservation (its headers go on the error)
 
 
 def endpoint_of(path: str) -> str:
@@ -53,7 +71,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     try:
         return await exchange.run()
     except Exception:
-        log.exception("request %s failed", exchange.rid)
+        log.exception("request %s failed", exchange.request_id)
         if exchange.response is not None:
             raise  # bytes went out: aiohttp closes the connection
         return exchange.fail(500, "internal error in the proxy node", "internal_error")
@@ -76,8 +94,12 @@ class Exchange:
         self.state = app[STATE]
         self.loop = asyncio.get_running_loop()
         self.started = self.loop.time()
+        self.health = app[HEALTH]
+        # The reservation id is always generated here (a client's id could collide).
+        self.rid = uuid.uuid4().hex
         client_rid = request.headers.get("X-Request-Id", "")
-        self.rid = client_rid if ID_RE.match(client_rid) else uuid.uuid4().hex
+        # The id the client and the engine see, and logs show: the client's when valid.
+        self.request_id = client_rid if ID_RE.match(client_rid) else self.rid
         self.status = 500
         self.outcome = "error"
         self.body = b""
@@ -90,25 +112,26 @@ class Exchange:
     # ------------------------------------------------------------------ flow
 
     async def run(self) -> web.StreamResponse:
-        """Validate, reserve, forward (retrying once on a refused connection), release."""
+        """Validate, reserve, forward (another instance after a retryable failure), release."""
         rejected = await self._read_request()
         if rejected is not None:
             return rejected
         excluded: set[str] = set()
-        failure = ""
-        for attempt in range(2):
-            reservation = await self._reserve(excluded)
+        failure: _RetryableError | None = None
+        for attempt in range(MAX_ATTEMPTS):
+            reservation = await self._reserve(excluded, failure)
             if isinstance(reservation, web.StreamResponse):
                 return reservation
             try:
                 return await self._attempt(reservation)
-            except _ConnectFailedError as exc:
-                failure = str(exc)
+            except _RetryableError as exc:
+                failure = exc
                 excluded.add(reservation.instance_id)
-                log.warning("cannot connect to %s: %s", reservation.instance_id, exc)
-                if attempt == 0:
+                log.warning("request %s: %s", self.request_id, exc.message)
+                if attempt + 1 < MAX_ATTEMPTS:
                     self.metrics.connect_retries.inc()
-        return self._error(502, f"no instance could be reached: {failure}", "upstream_unreachable")
+        assert failure is not None
+        return self._error(failure.status, failure.message, failure.code, failure.res)
 
     def fail(self, status: int, message: str, code: str) -> web.Response:
         """Answer an error before any byte of a response went out."""
@@ -121,21 +144,24 @@ class Exchange:
         code: str,
         res: Reservation | None = None,
         extra: dict[str, str] | None = None,
+        *,
+        closing: bool = False,
     ) -> web.Response:
         self.status = status
         self.outcome = code
         headers = self._headers(res)
         headers.update(extra or {})
-        return json_error(status, message, code, headers)
+        return json_error(status, message, code, headers, closing=closing)
 
     def _headers(self, res: Reservation | None) -> dict[str, str]:
         if res is None:
-            return {"X-Request-Id": self.rid}
+            return {"X-Request-Id": self.request_id}
         ttft = "" if res.predicted_ttft_ms is None else str(res.predicted_ttft_ms)
         return {
             "X-Instance-Id": res.instance_id,
             "X-Predicted-TTFT-Ms": ttft,
-            "X-Request-Id": self.rid,
+            "X-Request-Id": self.request_id,
+            "X-Reservation-Id": res.rid,
         }
 
     # ------------------------------------------------------------------ request
@@ -146,9 +172,8 @@ class Exchange:
         limit = self.config.max_body_bytes
         too_large = f"request body is larger than {limit} bytes"
         if request.content_length is not None and request.content_length > limit:
-            response = self._error(413, too_large, "body_too_large")
-            response.force_close()  # the unread body must not be parsed as a request
-            return response
+            # The unread body must not be parsed as a request: the connection ends.
+            return self._error(413, too_large, "body_too_large", closing=True)
         data = bytearray()
         try:
             # One deadline for the whole body: a client trickling bytes cannot hold the
@@ -157,24 +182,20 @@ class Exchange:
                 async for chunk in request.content.iter_any():
                     data += chunk
                     if len(data) > limit:
-                        response = self._error(413, too_large, "body_too_large")
-                        response.force_close()
-                        return response
+                        return self._error(413, too_large, "body_too_large", closing=True)
         except ConnectionError:
             self.status, self.outcome = 499, "client_disconnect"
             return web.Response(status=499)
         except TimeoutError:
-            response = self._error(
+            return self._error(
                 408,
                 f"request body not received within {self.config.body_timeout_s:g} s",
                 "body_timeout",
+                closing=True,
             )
-            response.force_close()
-            return response
         except web.RequestPayloadError as exc:  # e.g. a body that fails its Content-Encoding
-            response = self._error(400, f"unreadable request body: {_cause(exc)}", "invalid_body")
-            response.force_close()
-            return response
+            message = f"unreadable request body: {_cause(exc)}"
+            return self._error(400, message, "invalid_body", closing=True)
         self.body = bytes(data)
         try:
             parsed = parse_completion(
@@ -189,23 +210,34 @@ class Exchange:
         self.stream = parsed.stream
         return None
 
-    async def _reserve(self, excluded: set[str]) -> Reservation | web.StreamResponse:
-        """Reserve an instance not in `excluded` (ones that refused a connection).
+    async def _reserve(
+        self, excluded: set[str], failure: _RetryableError | None
+    ) -> Reservation | web.StreamResponse:
+        """Reserve an instance: not one that failed this request, nor an ejected one.
 
-        Answers 503 (none alive besides the excluded), 429 (pool full) or 400.
+        Ejected instances are used only when nothing else is alive (Envoy's panic mode:
+        an ejected instance beats none). Answers 503 (none alive besides the failed),
+        429 (pool full) or 400; after a failure, that failure's 502/504.
         """
         started = time.perf_counter()
+        ejected = self.health.ejected_ids()
         try:
-            return await self.coordinator.reserve(
-                self.prompt_tokens, self.expected_output_tokens, rid=self.rid, exclude=excluded
-            )
-        except NoInstanceError as exc:
-            if excluded:
-                return self._error(
-                    502,
-                    "no other instance is available after a connection failure",
-                    "upstream_unreachable",
+            try:
+                return await self.coordinator.reserve(
+                    self.prompt_tokens,
+                    self.expected_output_tokens,
+                    rid=self.rid,
+                    exclude=excluded | ejected,
                 )
+            except NoInstanceError:
+                if not ejected - excluded:
+                    raise
+                return await self.coordinator.reserve(
+                    self.prompt_tokens, self.expected_output_tokens, rid=self.rid, exclude=excluded
+                )
+        except NoInstanceError as exc:
+            if failure is not None:
+                return self._error(failure.status, failure.message, failure.code, failure.res)
             return self._error(503, str(exc), "no_instance")
         except PoolFullError as exc:
             retry_after = max(1, math.ceil(exc.retry_after_ms / 1000))
@@ -259,49 +291,90 @@ class Exchange:
         self._mark_handle = None
         self.state.spawn(self._mark_first_token(rid))
 
+    def _report(self, res: Reservation, ok: bool, reason: str = "") -> None:
+        # Spawned: a client hanging up must not cancel the report.
+        self.state.spawn(self.health.report(res.instance_id, ok, reason))
+
     async def _forward(self, res: Reservation) -> web.StreamResponse:
         """Send the body to the instance; relay its answer (502 instead of its 5xx)."""
+        cfg = self.config
         url = res.url.rstrip("/") + self.request.raw_path
-        headers = request_headers(self.request.headers, self.rid)
+        headers = request_headers(self.request.headers, self.request_id)
         if not self.stream and res.predicted_ttft_ms is not None:
             # No chunk marks a non-streaming first token: the prediction stands in for it.
             self._mark_handle = self.loop.call_later(
                 res.predicted_ttft_ms / 1000, self._mark_at_predicted_time, res.rid
             )
-        total = self.config.request_timeout_s
-        timeout = aiohttp.ClientTimeout(total=total, sock_connect=min(CONNECT_TIMEOUT_S, total))
+        timeout = aiohttp.ClientTimeout(
+            total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s
+        )
+        name = res.instance_id
+        upstream: aiohttp.ClientResponse | None = None
         try:
-            upstream = await self.session.post(
-                url, data=self.body, headers=headers, timeout=timeout, allow_redirects=False
-            )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            raise _ConnectFailedError(str(exc) or type(exc).__name__) from exc
-        except TimeoutError:
-            return self._error(
-                504, f"instance {res.instance_id} did not answer in time", "upstream_timeout", res
-            )
-        except aiohttp.ClientError as exc:
-            return self._error(
-                502, f"instance {res.instance_id} failed: {exc!r}", "upstream_error", res
-            )
-        try:
-            if upstream.status >= 500:
-                detail = ""
-                with suppress(aiohttp.ClientError, TimeoutError):
-                    raw = await upstream.content.read(ERROR_DETAIL_BYTES)
-                    detail = raw.decode("utf-8", "replace")
-                return self._error(
+            try:
+                async with asyncio.timeout(cfg.first_byte_timeout_s):
+                    upstream = await self.session.post(
+                        url, data=self.body, headers=headers, timeout=timeout, allow_redirects=False
+                    )
+                    if upstream.status >= 500:
+                        return await self._engine_error(upstream, res)
+                    first = await upstream.content.readany()
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                phase = "connect" if isinstance(exc, aiohttp.ConnectionTimeoutError) else ""
+                if phase:
+                    self.metrics.upstream_timeouts.labels(phase).inc()
+                self._report(res, False, "connect_timeout" if phase else "connect_failed")
+                raise _RetryableError(
                     502,
-                    f"instance {res.instance_id} answered {upstream.status}: {detail}".rstrip(": "),
+                    f"instance {name} could not be reached: {exc or type(exc).__name__}",
+                    "upstream_unreachable",
+                    res,
+                ) from exc
+            except TimeoutError as exc:
+                self.metrics.upstream_timeouts.labels("first_byte").inc()
+                self._report(res, False, "first_byte_timeout")
+                limit = min(cfg.first_byte_timeout_s, cfg.request_timeout_s)
+                raise _RetryableError(
+                    504,
+                    f"instance {name} sent no response within {limit:g} s",
+                    "upstream_timeout",
+                    res,
+                ) from exc
+            except aiohttp.ClientError as exc:
+                # The engine took the request and failed before answering: not retried.
+                self._report(res, False, "disconnected")
+                return self._error(502, f"instance {name} failed: {exc!r}", "upstream_error", res)
+            if not first and 200 <= upstream.status < 300:
+                self._report(res, False, "empty_response")
+                raise _RetryableError(
+                    502,
+                    f"instance {name} answered {upstream.status} with no body",
                     "upstream_error",
                     res,
                 )
-            return await self._relay(upstream, res)
+            return await self._relay(upstream, res, first)
         finally:
-            upstream.release()  # closes the connection unless the body was read to the end
+            if upstream is not None:
+                upstream.release()  # closes the connection unless the body was read to the end
+
+    async def _engine_error(
+        self, upstream: aiohttp.ClientResponse, res: Reservation
+    ) -> web.StreamResponse:
+        """The engine answered 5xx: a 502 quoting the start of its body."""
+        detail = ""
+        with suppress(aiohttp.ClientError, TimeoutError):
+            raw = await upstream.content.read(ERROR_DETAIL_BYTES)
+            detail = raw.decode("utf-8", "replace")
+        self._report(res, False, f"status_{upstream.status}")
+        return self._error(
+            502,
+            f"instance {res.instance_id} answered {upstream.status}: {detail}".rstrip(": "),
+            "upstream_error",
+            res,
+        )
 
     async def _relay(
-        self, upstream: aiohttp.ClientResponse, res: Reservation
+        self, upstream: aiohttp.ClientResponse, res: Reservation, first: bytes
     ) -> web.StreamResponse:
         """Stream the engine's answer to the client chunk by chunk, as it arrives."""
         ok = 200 <= upstream.status < 300
@@ -317,36 +390,58 @@ class Exchange:
             return response
         self.response = response
         counter = OutputCounter(self.stream) if ok else None
-        first = True
-        try:
-            async for chunk, _ in upstream.content.iter_chunks():
-                if not chunk:
-                    continue
-                try:
-                    await response.write(chunk)
-                except ConnectionError:
-                    self.status, self.outcome = 499, "client_disconnect"
-                    return response
-                if first:
-                    first = False
-                    if ok:
-                        self.metrics.ttft.observe(self.loop.time() - self.started)
-                        if self.stream:
-                            await self._mark_first_token(res.rid)
-                if counter is not None:
-                    counter.feed(chunk)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            # Bytes already went out: no error status is possible. Cut the client's
-            # connection so it sees a truncated response instead of a clean end.
-            self.outcome = "timeout" if isinstance(exc, TimeoutError) else "upstream_failed"
-            log.warning("instance %s failed mid-response: %r", res.instance_id, exc)
-            response.force_close()
-            transport = self.request.transport
-            if transport is not None:
-                transport.close()
-            return response
+        chunk, marked = first, not ok
+        idle_s = self.config.idle_timeout_s
+        while chunk:
+            try:
+                await response.write(chunk)
+            except ConnectionError:
+                self.status, self.outcome = 499, "client_disconnect"
+                return response
+            if not marked:
+                marked = True
+                self.metrics.ttft.observe(self.loop.time() - self.started)
+                if self.stream:
+                    await self._mark_first_token(res.rid)
+            if counter is not None:
+                counter.feed(chunk)
+            idle = asyncio.timeout(idle_s)
+            try:
+                async with idle:
+                    chunk = await upstream.content.readany()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                if isinstance(exc, TimeoutError):
+                    phase = "idle" if idle.expired() else "total"
+                    self.metrics.upstream_timeouts.labels(phase).inc()
+                    self.outcome, reason = "timeout", f"{phase}_timeout"
+                else:
+                    self.outcome, reason = "upstream_failed", "cut_stream"
+                log.warning(
+                    "request %s: instance %s failed mid-response: %s",
+                    self.request_id,
+                    res.instance_id,
+                    reason if isinstance(exc, TimeoutError) else repr(exc),
+                )
+                self._report(res, False, reason)
+                # Bytes already went out: no error status is possible. Cut the client's
+                # connection so it sees a truncated response instead of a clean end.
+                response.force_close()
+                transport = self.request.transport
+                if transport is not None:
+                    transport.close()
+                return response
         with suppress(ConnectionError):
             await response.write_eof()
+        problem = counter.problem() if counter is not None else None
+        if problem is not None:
+            log.warning(
+                "request %s: instance %s answered %d with a broken body: %s",
+                self.request_id,
+                res.instance_id,
+                upstream.status,
+                problem,
+            )
+        self._report(res, problem is None, problem or "")
         if counter is not None:
             tokens = counter.tokens()
             if tokens is not None:

@@ -1,4 +1,4 @@
-"""Engine hints: scrape the engines' Prometheus `/metrics` and store them as heartbeats.
+"""Engine hints: scrape the engines' Prometheus `/metrics` and store them (never liveness).
 
 Each alive instance is scraped by exactly one live node per interval: the node that
 wins a rendezvous (highest-random-weight) hash of the instance id over the live node
@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 from coordinator import Coordinator
 from coordinator.errors import CoordinatorError
 from coordinator.models import InstanceLoad
+from coordinator.tasks import raise_if_cancelling
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ async def scrape_instance(
 async def scrape_once(
     coordinator: Coordinator, session: aiohttp.ClientSession, timeout_s: float
 ) -> int:
-    """Scrape this node's share of the alive instances; returns the heartbeats stored."""
+    """Scrape this node's share of the alive instances; returns how many stored hints."""
     snap = await coordinator.snapshot()
     if snap.coordination != "ok":
         return 0  # hints could not be stored anyway
@@ -118,9 +119,11 @@ async def scrape_once(
             log.debug("scraping %s (%s) failed: %r", row.id, row.url, result)
             continue
         if not result:
-            continue  # no engine metric we know: liveness stays the engine's business
+            continue  # no engine metric we know
         try:
-            await coordinator.heartbeat_instance(row.id, result)
+            # Hints only: a scrape proves /metrics answers, not that the engine serves
+            # requests, so liveness stays with the engine's heartbeats (docs/reliability.md).
+            await coordinator.store_hints(row.id, result)
         except CoordinatorError as exc:  # unregistered meanwhile, or Redis went away
             log.debug("storing hints of %s failed: %s", row.id, exc)
             continue
@@ -140,4 +143,5 @@ async def scrape_loop(
             log.debug("hint scrape round failed: %s", exc)
         except Exception:
             log.exception("hint scrape round failed")
+        raise_if_cancelling()  # redis-py may have swallowed our cancel (coordinator.tasks)
         await asyncio.sleep(interval_s)

@@ -31,7 +31,8 @@ from coordinator.coordinator import Coordinator
 from coordinator.errors import CoordinatorError, InvalidArgumentError
 from coordinator.keys import POOL_NAME_RE, PoolKeys
 from coordinator.settings import Settings
-from proxy_node.views import instance_loads_view
+from coordinator.tasks import raise_if_cancelling
+from proxy_node.views import instance_loads_view, selection_exclusions
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 NODE_ID = "inspect"  # shown as node_id in --json, like a node's /debug/instance_loads
@@ -179,6 +180,7 @@ async def read_pool(coordinator: Coordinator, settings: Settings) -> PoolState:
             raise InspectError(f"cannot read pool {coordinator.pool!r}: Redis did not answer")
         keys = PoolKeys(settings.key_prefix, coordinator.pool)
         raw_nodes = await coordinator.redis.zrange(keys.column("nodes"), 0, -1, withscores=True)
+        outliers = await coordinator.read_outliers()
         phases: Counter[str] = Counter()
         async for _, raw in coordinator.redis.hscan_iter(
             keys.column("reservations"), count=RESERVATION_SCAN_COUNT
@@ -186,8 +188,11 @@ async def read_pool(coordinator: Coordinator, settings: Settings) -> PoolState:
             phases[_phase_of(raw)] += 1
     except (RedisError, OSError, CoordinatorError) as exc:
         raise InspectError(f"cannot read pool {coordinator.pool!r}: {exc}") from exc
-    ranking = coordinator.rank(snapshot, settings.strategy)
-    loads = instance_loads_view(snapshot, ranking, settings, NODE_ID, coordinator.pool)
+    # The ranking a node would make: ejected instances are skipped (passive health).
+    ranking = coordinator.rank(
+        snapshot, settings.strategy, exclude=selection_exclusions(snapshot, outliers)
+    )
+    loads = instance_loads_view(snapshot, ranking, settings, NODE_ID, coordinator.pool, outliers)
     nodes = [(str(node), int(deadline)) for node, deadline in raw_nodes]
     return PoolState(loads, nodes, dict(sorted(phases.items())))
 
@@ -245,6 +250,7 @@ async def _watch(coordinator: Coordinator, args: argparse.Namespace, settings: S
         with Live(console=console, auto_refresh=False, transient=False) as live:
             while True:
                 live.update(await frames.next(console.width), refresh=True)
+                raise_if_cancelling()  # redis-py may have swallowed Ctrl-C's cancel
                 await asyncio.sleep(args.watch)
     finally:
         await frames.close()
@@ -275,6 +281,7 @@ def render(state: PoolState, redis_url: str, width: int | None = None) -> Group:
     now_ms = int(loads["generated_at"])
     instances = loads["instances"]
     alive = sum(1 for row in instances if row["alive"])
+    ejected = sum(1 for row in instances if (row.get("outlier") or {}).get("ejected"))
     header = Text.assemble(
         ("pool ", "dim"),
         (str(loads["pool"]), "bold"),
@@ -287,7 +294,7 @@ def render(state: PoolState, redis_url: str, width: int | None = None) -> Group:
         ("  version ", "dim"),
         str(loads["version"]),
         ("  instances ", "dim"),
-        f"{alive} alive / {len(instances)}",
+        f"{alive} alive / {len(instances)}" + (f", {ejected} ejected" if ejected else ""),
         ("  redis time ", "dim"),
         str(now_ms),
     )
@@ -310,6 +317,7 @@ INSTANCE_COLUMNS: tuple[tuple[str, JustifyMethod, int], ...] = (
     ("inflight", "right", 2),
     ("prefill", "right", 4),
     ("decode", "right", 4),
+    ("fails", "right", 5),
     ("slot ms", "right", 11),
     ("prefill free", "right", 10),
     ("backlog ms", "right", 6),
@@ -319,17 +327,28 @@ INSTANCE_COLUMNS: tuple[tuple[str, JustifyMethod, int], ...] = (
 )
 
 
+def _state_cell(row: dict[str, Any]) -> Text:
+    outlier = row.get("outlier") or {}
+    if not row["alive"]:
+        return Text("stale", "red")
+    if outlier.get("ejected"):
+        return Text(f"ejected({math.ceil(outlier['ejected_for_ms'] / 1000)}s)", "yellow")
+    return Text("alive", "green")
+
+
 def _instance_cells(row: dict[str, Any]) -> list[Text]:
     score = row["least_load_score"] or {}
     rank = row["rank"]
+    outlier = row.get("outlier") or {}
     return [
         Text(_num(None if rank is None else rank + 1)),  # 1 = chosen first
         Text(str(row["id"])),
-        Text("alive", "green") if row["alive"] else Text("stale", "red"),
+        _state_cell(row),
         Text(_num(row["epoch"])),
         Text(_num(row["inflight"])),
         Text(_num(row["pending_prefill_count"])),
         Text(_num(row["active_decode_count"])),
+        Text(_num(outlier.get("consecutive_failures", 0))),
         Text(_num(row["next_slot_ready_in_ms"])),
         Text(_num(row["prefill_free_in_ms"])),
         Text(_num(row["predicted_total_backlog_ms"])),

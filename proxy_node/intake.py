@@ -19,6 +19,24 @@ class RequestRejectedError(Exception):
         self.code = code
 
 
+# Body fields the node itself reads (for the reservation's expected output). Only
+# these are checked; the rest of the body goes to the engine byte for byte.
+OUTPUT_CAPS = ("max_tokens", "max_completion_tokens")
+
+
+def _check_output_cap(name: str, value: object) -> None:
+    """An output cap must be absent, null (OpenAI: the engine's default) or 1..MAX_TOKENS."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS:
+        shown = repr(value) if not isinstance(value, int) or value < 10**12 else "a huge integer"
+        raise RequestRejectedError(
+            400,
+            f"{name} must be an integer in 1..{MAX_TOKENS} or null, got {shown}",
+            "invalid_max_tokens",
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
     """The sizes a reservation needs, and whether the client asked for a stream."""
@@ -54,6 +72,8 @@ def parse_completion(
             )
     else:
         prompt = min(prompt_tokens_of(body), MAX_TOKENS)
+    for name in OUTPUT_CAPS:
+        _check_output_cap(name, body.get(name))
     cap = max_output_tokens_of(body)
     expected = min(cap if cap is not None else default_output_tokens, MAX_TOKENS)
     return CompletionRequest(prompt, expected, body.get("stream") is True)

@@ -10,6 +10,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from coordinator import Coordinator
+from coordinator.outliers import OutlierView
 from coordinator.snapshot import Snapshot
 from coordinator.strategies import Score
 
@@ -39,6 +40,7 @@ class PressureCollector(Collector):
         self.coordinator: Coordinator | None = None
         self.snapshot: Snapshot | None = None
         self.scores: Mapping[str, Score] = {}
+        self.outliers: OutlierView | None = None
 
     def collect(self) -> Iterator[Metric]:
         """Yield the gauges of the last snapshot (nothing before the first scrape)."""
@@ -66,6 +68,26 @@ class PressureCollector(Collector):
                 score.add_metric([self.pool, row.id], total)
         yield alive
         yield score
+        ejected = GaugeMetricFamily(
+            "proxy_instance_ejected",
+            "1 while passive health keeps the instance out of selection, on every node",
+            labels=labels,
+        )
+        failures = GaugeMetricFamily(
+            "proxy_instance_consecutive_failures",
+            "Failed exchanges in a row with the instance, counted by every node",
+            labels=labels,
+        )
+        view = self.outliers
+        for row in rows:
+            state = view.state(row.id) if view is not None else None
+            now = view.now_ms if view is not None else 0
+            ejected.add_metric([self.pool, row.id], 1.0 if state and state.ejected(now) else 0.0)
+            failures.add_metric(
+                [self.pool, row.id], float(state.consecutive_failures) if state else 0.0
+            )
+        yield ejected
+        yield failures
         if self.coordinator is None:
             return
         degraded = GaugeMetricFamily(
@@ -155,7 +177,39 @@ class NodeMetrics:
         )
         self.connect_retries = Counter(
             "proxy_upstream_connect_retries",
-            "Requests retried on another instance after a connection failure",
+            "Requests retried on another instance after a failure that reached no client byte (refused, connect or first-byte timeout, empty answer)",
+            registry=r,
+        )
+        self.accept_errors = Counter(
+            "proxy_accept_errors",
+            "Failed accept() calls for lack of file descriptors or memory (EMFILE, ENFILE, ...)",
+            registry=r,
+        )
+        self.refused_connections = Counter(
+            "proxy_refused_connections",
+            "Client connections refused with 503 because --max-connections were open",
+            registry=r,
+        )
+        self.malformed_requests = Counter(
+            "proxy_malformed_requests",
+            "Requests the HTTP parser refused (answered 400 JSON)",
+            registry=r,
+        )
+        self.upstream_timeouts = Counter(
+            "proxy_upstream_timeouts",
+            "Engine exchanges ended by a timeout, by phase (connect, first_byte, idle)",
+            ["phase"],
+            registry=r,
+        )
+        self.upstream_failures = Counter(
+            "proxy_upstream_failures",
+            "Failed engine exchanges counted for outlier ejection, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "proxy_ejections",
+            "Instances this node's reports ejected (fleet-wide, see proxy_instance_ejected)",
             registry=r,
         )
         self.info = Info("proxy_node", "Identity of this proxy node", registry=r)
@@ -167,10 +221,16 @@ class NodeMetrics:
         """Read coordination state and stats from this coordinator at scrape time."""
         self.pressure.coordinator = coordinator
 
-    def observe_snapshot(self, snapshot: Snapshot, scores: Mapping[str, Score]) -> None:
-        """Refresh the pressure gauges (call right before render)."""
+    def observe_snapshot(
+        self,
+        snapshot: Snapshot,
+        scores: Mapping[str, Score],
+        outliers: OutlierView | None = None,
+    ) -> None:
+        """Refresh the pressure and ejection gauges (call right before render)."""
         self.pressure.snapshot = snapshot
         self.pressure.scores = scores
+        self.pressure.outliers = outliers
 
     def render(self) -> bytes:
         """The text exposition of every metric of this node."""

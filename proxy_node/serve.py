@@ -19,10 +19,11 @@ from coordinator.errors import InvalidArgumentError
 from coordinator.settings import STRATEGIES, Settings
 from proxy_node.app import create_app, create_control_app
 from proxy_node.config import NodeConfig
+from proxy_node.edge import AcceptErrorLog, EdgeRunner, auto_max_connections
+from proxy_node.state import METRICS
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_TIMEOUT_S = 30.0  # in-flight requests get this long to finish on SIGTERM
 # aiohttp's HTTP parser limits, spelled out so an aiohttp upgrade cannot move them:
 # a longer request line or header, or more headers, gets a plain-text 400 from the
 # parser before any handler runs (docs/security.md).
@@ -120,6 +121,98 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="period of engine /metrics scraping for hints, 0 = off "
         f"[env COORD_SCRAPE_INTERVAL_S; default {d.scrape_interval_s:g}]",
     )
+    add(
+        "--instance-model",
+        default=S,
+        help="model name of the --instance engines [env COORD_INSTANCE_MODEL; "
+        "default: the first model the engine's GET /v1/models lists]",
+    )
+    add(
+        "--connect-timeout-s",
+        type=float,
+        default=S,
+        help="TCP connect to an engine; on expiry another instance is tried "
+        f"[env COORD_CONNECT_TIMEOUT_S; default {d.connect_timeout_s:g}]",
+    )
+    add(
+        "--first-byte-timeout-s",
+        type=float,
+        default=S,
+        help="request sent to the first response byte (a non-streaming answer's whole "
+        "generation); on expiry another instance is tried, else 504 "
+        f"[env COORD_FIRST_BYTE_TIMEOUT_S; default {d.first_byte_timeout_s:g}]",
+    )
+    add(
+        "--idle-timeout-s",
+        type=float,
+        default=S,
+        help="longest silence between two chunks of a response; on expiry the response "
+        f"is cut [env COORD_IDLE_TIMEOUT_S; default {d.idle_timeout_s:g}]",
+    )
+    add(
+        "--header-timeout-s",
+        type=float,
+        default=S,
+        help="a request head, and an idle keep-alive connection, must not take longer "
+        f"(slowloris) [env COORD_HEADER_TIMEOUT_S; default {d.header_timeout_s:g}]",
+    )
+    add(
+        "--max-connections",
+        type=int,
+        default=S,
+        help="open client connections per plane; more are refused with 503 "
+        "[env COORD_MAX_CONNECTIONS; default 0 = a quarter of the open-file limit]",
+    )
+    add(
+        "--drain-timeout-s",
+        type=float,
+        default=S,
+        help="on SIGTERM/SIGINT, in-flight requests get this long to finish "
+        f"[env COORD_DRAIN_TIMEOUT_S; default {d.drain_timeout_s:g}]",
+    )
+    add(
+        "--eject-consecutive-failures",
+        type=int,
+        default=S,
+        help="failures in a row (5xx, refused, timeout, cut or empty answer) that eject an "
+        "instance fleet-wide, 0 = off "
+        f"[env COORD_EJECT_CONSECUTIVE_FAILURES; default {d.eject_consecutive_failures}]",
+    )
+    add(
+        "--eject-failure-window-s",
+        type=float,
+        default=S,
+        help="failures further apart than this do not add up "
+        f"[env COORD_EJECT_FAILURE_WINDOW_S; default {d.eject_failure_window_s:g}]",
+    )
+    add(
+        "--eject-base-s",
+        type=float,
+        default=S,
+        help="first ejection of an instance; doubles with each repeat "
+        f"[env COORD_EJECT_BASE_S; default {d.eject_base_s:g}]",
+    )
+    add(
+        "--eject-max-s",
+        type=float,
+        default=S,
+        help=f"longest ejection [env COORD_EJECT_MAX_S; default {d.eject_max_s:g}]",
+    )
+    add(
+        "--eject-max-percent",
+        type=float,
+        default=S,
+        help="never eject more than this share of the alive instances "
+        f"[env COORD_EJECT_MAX_PERCENT; default {d.eject_max_percent:g}]",
+    )
+    add(
+        "--insecure-open-control-plane",
+        action="store_true",
+        default=S,
+        help="serve the control plane on a non-loopback address without a token: anyone "
+        "reaching it can register engines and receive prompts "
+        "[env COORD_INSECURE_OPEN_CONTROL_PLANE; default: refused]",
+    )
     knobs = ", ".join(
         f"COORD_{f.name.upper()} ({getattr(Settings(), f.name) if f.name != 'weights' else 'name=value,...'})"
         for f in fields(Settings)
@@ -147,6 +240,19 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         "request_timeout_s",
         "body_timeout_s",
         "scrape_interval_s",
+        "instance_model",
+        "connect_timeout_s",
+        "first_byte_timeout_s",
+        "idle_timeout_s",
+        "header_timeout_s",
+        "max_connections",
+        "drain_timeout_s",
+        "eject_consecutive_failures",
+        "eject_failure_window_s",
+        "eject_base_s",
+        "eject_max_s",
+        "eject_max_percent",
+        "insecure_open_control_plane",
     )
     return NodeConfig.from_env(os.environ, **{n: getattr(args, n, None) for n in names})
 
@@ -167,18 +273,41 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(config: NodeConfig, stop: asyncio.Event | None = None) -> None:
-    """Serve both planes until SIGINT/SIGTERM (or until `stop` is set)."""
+    """Serve both planes until SIGINT/SIGTERM (or until `stop` is set).
+
+    Raises OSError when a port cannot be bound, after stopping everything it started.
+    """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     service = create_app(config)
-    service_runner = web.AppRunner(service, shutdown_timeout=SHUTDOWN_TIMEOUT_S, **HTTP_LIMITS)
+    cap = config.max_connections or auto_max_connections()
+
+    def refused() -> None:
+        if METRICS in service:
+            service[METRICS].refused_connections.inc()
+
+    def malformed() -> None:
+        if METRICS in service:
+            service[METRICS].malformed_requests.inc()
+
+    runner_args: dict[str, Any] = {
+        **HTTP_LIMITS,
+        "max_connections": cap,
+        "on_refused": refused,
+        "on_malformed": malformed,
+        "shutdown_timeout": config.drain_timeout_s,
+        # aiohttp's keep-alive timer runs from the accept and between requests, and
+        # closes the connection while no complete head has arrived: a head timeout.
+        "keepalive_timeout": config.header_timeout_s,
+    }
+    service_runner = EdgeRunner(service, **runner_args)
     await service_runner.setup()  # runs the cleanup contexts: the Coordinator exists after this
-    control_runner = web.AppRunner(
-        create_control_app(service), shutdown_timeout=SHUTDOWN_TIMEOUT_S, **HTTP_LIMITS
-    )
+    previous_handler = loop.get_exception_handler()
+    loop.set_exception_handler(AcceptErrorLog(service[METRICS].accept_errors.inc))
+    control_runner = EdgeRunner(create_control_app(service), **runner_args)
     await control_runner.setup()
     try:
         await web.TCPSite(service_runner, config.host, config.port).start()
@@ -192,11 +321,18 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None) -> None:
             config.strategy,
             "" if config.token else " (control plane open: no token)",
         )
+        if config.token is None and config.insecure_open_control_plane:
+            log.warning(
+                "INSECURE: the control plane on %s takes registrations without a token "
+                "(--insecure-open-control-plane)",
+                config.bind_control,
+            )
         await stop.wait()
-        log.info("shutting down")
+        log.info("shutting down (drain timeout %g s)", config.drain_timeout_s)
     finally:
         await control_runner.cleanup()
         await service_runner.cleanup()
+        loop.set_exception_handler(previous_handler)
 
 
 def _addresses(runner: web.AppRunner) -> str:

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from coordinator import Coordinator
 from proxy_node.config import NodeConfig
+from proxy_node.health import PassiveHealth
 from proxy_node.metrics import NodeMetrics
 
 INITIAL_OUTPUT_TOKENS = 256.0  # expected output before anything was observed
@@ -23,6 +24,7 @@ CONFIG = web.AppKey("config", NodeConfig)
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 METRICS = web.AppKey("metrics", NodeMetrics)
+HEALTH = web.AppKey("health", PassiveHealth)
 # On the control app: the service app whose Coordinator, metrics and state it shares.
 SERVICE_APP = web.AppKey("service_app", web.Application)
 

@@ -32,6 +32,21 @@ class OutputCounter:
                 self.overflow = True
                 self.body.clear()
 
+    def problem(self) -> str | None:
+        """Why a 2xx answer looks broken, or None: a stream that never sent `[DONE]`
+        (cut or empty), or a non-streaming body that is not JSON (passive health)."""
+        if self.stream:
+            if self.done_events:
+                return None
+            return "truncated_stream" if self.events else "empty_stream"
+        if self.overflow:
+            return None  # too large to check; a body that long is an answer
+        try:
+            json.loads(self.body)
+        except (ValueError, RecursionError):
+            return "malformed_response"
+        return None
+
     def tokens(self) -> int | None:
         """usage.completion_tokens when the engine sent it, else the count of SSE chunks."""
         if self.stream:

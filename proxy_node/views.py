@@ -5,13 +5,29 @@ from __future__ import annotations
 from typing import Any
 
 from coordinator.models import HINT_NAMES
+from coordinator.outliers import OutlierState, OutlierView
 from coordinator.settings import Settings
 from coordinator.snapshot import Snapshot
-from coordinator.strategies import Ranking
+from coordinator.strategies import Ranking, eligible
+
+
+def selection_exclusions(snapshot: Snapshot, outliers: OutlierView | None) -> frozenset[str]:
+    """The ejected instances selection skips: none when they are all that is alive."""
+    if outliers is None:
+        return frozenset()
+    ejected = outliers.ejected_ids(snapshot.now_ms or None)
+    if not ejected or all(row.id in ejected for row in eligible(snapshot.rows)):
+        return frozenset()
+    return ejected
 
 
 def instance_loads_view(
-    snapshot: Snapshot, ranking: Ranking, settings: Settings, node_id: str, pool: str
+    snapshot: Snapshot,
+    ranking: Ranking,
+    settings: Settings,
+    node_id: str,
+    pool: str,
+    outliers: OutlierView | None = None,
 ) -> dict[str, Any]:
     """What `/debug/instance_loads` serves: the snapshot and the scores selection used.
 
@@ -37,6 +53,9 @@ def instance_loads_view(
         score = ranking.scores.get(row.id)
         data["least_load_score"] = score.as_dict() if score is not None else None
         data["rank"] = positions.get(row.id)
+        now = outliers.now_ms if outliers is not None else snapshot.now_ms
+        state = outliers.state(row.id) if outliers is not None else OutlierState(row.id)
+        data["outlier"] = state.as_dict(now)
         instances.append(data)
     return {
         "generated_at": snapshot.now_ms,

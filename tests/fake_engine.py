@@ -35,6 +35,8 @@ class FakeEngine:
     error_body: bytes = b'{"error":{"message":"nope","type":"invalid_request_error","code":"fake"}}'
     crash_after: int | None = None  # cut the connection after this many chunks
     hang: bool = False  # read the request and never answer (until stop)
+    raw_body: bytes | None = None  # answer 200 with exactly these bytes (b"": empty body)
+    omit_done: bool = False  # end a stream cleanly but without its final chunk and [DONE]
     gate_after: int | None = None  # chunks sent before waiting for `gate` (None: no gate)
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     model: str = "fake-model"
@@ -114,6 +116,8 @@ class FakeEngine:
             return web.Response(
                 status=self.status, body=self.error_body, content_type="application/json"
             )
+        if self.raw_body is not None:
+            return web.Response(body=self.raw_body, content_type="application/json")
         chat = request.path.endswith("/chat/completions")
         if not body.get("stream"):
             if self.gate_after is not None:
@@ -133,6 +137,9 @@ class FakeEngine:
             await response.write(_sse(self._chunk(chat, i)))
         if self.crash_after is not None and self.crash_after >= self.chunks:
             return self._crash(request, response)
+        if self.omit_done:
+            await response.write_eof()
+            return response
         await response.write(_sse(self._chunk(chat, None)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()

@@ -141,13 +141,16 @@
     let maxTotal = 0;
     let inflightSum = 0;
     let alive = 0;
+    let ejected = 0;
     for (const inst of instances) {
       const score = inst.least_load_score;
       if (score && score.total !== null) maxTotal = Math.max(maxTotal, score.total);
       if (inst.alive) alive++;
+      if (isEjected(inst)) ejected++;
       inflightSum += inst.inflight || 0;
     }
-    el.instanceCount.textContent = `${alive} alive / ${instances.length}`;
+    el.instanceCount.textContent =
+      `${alive} alive / ${instances.length}` + (ejected ? `, ${ejected} ejected` : "");
     el.inflightTotal.textContent = String(inflightSum);
     el.noInstances.hidden = instances.length > 0;
 
@@ -166,8 +169,10 @@
       const score = inst.least_load_score;
       const total = score ? score.total : null;
       r.row.dataset.alive = String(inst.alive);
+      r.row.dataset.ejected = String(isEjected(inst));
       r.row.classList.toggle("stale", !inst.alive);
-      r.state.textContent = inst.alive ? "alive" : "stale";
+      r.row.classList.toggle("ejected", inst.alive && isEjected(inst));
+      r.state.textContent = stateText(inst);
       r.total.textContent = fmt(total, 2);
       r.inflight.textContent = inst.inflight === null ? "–" : String(inst.inflight);
       r.bar.dataset.total = total === null ? "" : String(total);
@@ -194,8 +199,24 @@
     drawSparklines(doc.generated_at);
   }
 
+  // Passive health: an ejected instance is alive but kept out of selection.
+  function isEjected(inst) {
+    return Boolean(inst.outlier && inst.outlier.ejected);
+  }
+
+  function stateText(inst) {
+    if (!inst.alive) return "stale";
+    if (isEjected(inst)) return `ejected ${Math.ceil(inst.outlier.ejected_for_ms / 1000)}s`;
+    return "alive";
+  }
+
   function tooltip(inst, score) {
-    const lines = [`${inst.id} (${inst.alive ? "alive" : "stale"}, epoch ${inst.epoch})`];
+    const lines = [`${inst.id} (${stateText(inst)}, epoch ${inst.epoch})`];
+    const outlier = inst.outlier;
+    if (outlier && outlier.consecutive_failures) {
+      const reason = outlier.last_failure_reason || "?";
+      lines.push(`${outlier.consecutive_failures} failures in a row (last: ${reason})`);
+    }
     if (score && score.total !== null) {
       lines.push(`score ${score.total.toFixed(3)}`);
       for (const [name, value] of Object.entries(score.weighted_components)) {

@@ -86,7 +86,8 @@ def test_values_schema_agrees_with_the_code() -> None:
     node = schema["properties"]["node"]["properties"]
     assert tuple(node["strategy"]["enum"]) == STRATEGIES
     assert tuple(node["logLevel"]["enum"]) == LOG_LEVELS
-    assert node["pool"]["pattern"] == POOL_NAME_RE.pattern
+    # JSON Schema regexes are ECMA-262: `$` ends the string (no trailing newline), as \Z does.
+    assert node["pool"]["pattern"] == "^" + POOL_NAME_RE.pattern.removesuffix(r"\Z") + "$"
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ A `Fleet` starts proxy nodes (`python -m coordinator_cli.main serve`) and mock e
 (`coordinator mock-engine`, self-registered through a node's control plane, or listed
 on nodes with `--instance`) as OS processes on free 127.0.0.1 ports, and kills every one of them when the test ends,
 whatever happened. A `Load` sends streaming chat requests round-robin to the nodes
-and records each one; its `X-Request-Id` becomes the reservation id, so a check can
+and records each one; the node's `X-Reservation-Id` names its reservation, so a check can
 compare the reservations in Redis with the streams actually open at the clients.
 
 `read_pool` reads counters, reservation records, epochs, leases and the Redis time
@@ -436,6 +436,9 @@ class Load:
                 out.status = resp.status
                 out.headers_at = time.monotonic()
                 out.instance = resp.headers.get("X-Instance-Id", "")
+                # The node names its reservation (a client's X-Request-Id is not it).
+                out.rid = resp.headers.get("X-Reservation-Id", out.rid)
+                self.by_rid[out.rid] = out
                 if resp.status == 200:
                     self.open[out.rid] = out
                 async for line in resp.content:

@@ -8,6 +8,9 @@ Modes:
   answered, as behind a firewall that silently discards packets. Connections that
   were blackholed are closed when the mode changes again: their bytes were lost, so
   the stream could never be resynchronised.
+- `mute`: requests are forwarded and executed, but every reply is discarded: lost
+  replies. Muted connections are closed when the mode changes again, like
+  blackholed ones.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-MODES = ("pass", "drop", "blackhole")
+MODES = ("pass", "drop", "blackhole", "mute")
 READ_BYTES = 65536
 
 
@@ -30,6 +33,7 @@ class _Link:
     client: asyncio.StreamWriter
     upstream: asyncio.StreamWriter | None = None
     blackholed: bool = False
+    muted: bool = False  # forward requests, discard replies
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def abort(self) -> None:
@@ -81,14 +85,17 @@ class FaultProxy:
             for link in list(self._links):
                 link.abort()
             return
-        if mode == "blackhole":
+        if mode in ("blackhole", "mute"):
             for link in self._links:
-                link.blackholed = True
+                if mode == "blackhole":
+                    link.blackholed = True
+                else:
+                    link.muted = True
             if self._server is None:
                 await self._listen()
             return
         for link in list(self._links):
-            if link.blackholed:
+            if link.blackholed or link.muted:
                 link.abort()
         if self._server is None:
             await self._listen()
@@ -106,7 +113,8 @@ class FaultProxy:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
-        link = _Link(writer, blackholed=self.mode != "pass")
+        link = _Link(writer, blackholed=self.mode in ("drop", "blackhole"))
+        link.muted = self.mode == "mute"
         if self.mode == "drop":  # raced with the listener closing
             link.abort()
             return
@@ -123,7 +131,9 @@ class FaultProxy:
                 except OSError:
                     link.abort()
                     return
-                pump_back = asyncio.create_task(self._pump(up_reader, link.client, link))
+                pump_back = asyncio.create_task(
+                    self._pump(up_reader, link.client, link, reply=True)
+                )
                 link.tasks.append(pump_back)
                 await self._pump(reader, link.upstream, link)
                 await asyncio.wait([pump_back])
@@ -134,15 +144,21 @@ class FaultProxy:
             self._links.discard(link)
 
     async def _pump(
-        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter | None, link: _Link
+        self,
+        source: asyncio.StreamReader,
+        sink: asyncio.StreamWriter | None,
+        link: _Link,
+        *,
+        reply: bool = False,
     ) -> None:
-        """Copy bytes until EOF; a blackholed link reads and discards them."""
+        """Copy bytes until EOF; a blackholed link reads and discards them, a muted one
+        discards the replies only."""
         with suppress(ConnectionError, OSError):
             while True:
                 data = await source.read(READ_BYTES)
                 if not data:
                     break
-                if link.blackholed or sink is None:
+                if link.blackholed or sink is None or (reply and link.muted):
                     continue
                 sink.write(data)
                 await sink.drain()

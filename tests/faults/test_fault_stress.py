@@ -5,8 +5,9 @@ interleave reserve / first token / release / double release from several tasks,
 and keep a few reservations open to the end. Meanwhile the parent, driven by a
 seeded random schedule, injects every fault class in turn: kill -9 of a worker
 (restarted under its old id or a new one, or not at all), SIGSTOP beyond the lease,
-SCRIPT FLUSH, FLUSHDB, a Redis restart (empty), and an OOM window
-(`maxmemory` + `noeviction`). It samples the pool throughout: every sample, one
+SCRIPT FLUSH, FLUSHDB, a Redis restart (empty), an OOM window (`maxmemory` +
+`noeviction`), and lost replies (the workers reach Redis through
+tests/faults/fault_proxy.py, which then executes their calls but drops the replies). It samples the pool throughout: every sample, one
 MULTI/EXEC, must satisfy the invariants below.
 
 At the end the workers stop issuing requests and report the reservations they
@@ -44,6 +45,7 @@ from coordinator import Coordinator, InstanceSpec, Settings
 from coordinator.keys import PoolKeys
 from local_fleet.embedded import ServerUnavailableError
 from tests.faults.conftest import RedisServer, _die_with_parent
+from tests.faults.fault_proxy import FaultProxy
 from tests.helpers import lex_member, spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.real, pytest.mark.timeout(120)]
@@ -62,7 +64,7 @@ WORKER_SETTINGS = Settings(
     recovery_interval_ms=50,
     instance_ttl_ms=600_000,  # engines never die here; only nodes and Redis do
 )
-FAULTS = ("kill9", "sigstop", "script_flush", "flushdb", "restart_empty", "oom")
+FAULTS = ("kill9", "sigstop", "script_flush", "flushdb", "restart_empty", "oom", "lost_replies")
 
 
 def _seeds() -> list[int]:
@@ -105,6 +107,7 @@ async def _worker(redis_url: str, node_id: str, seed: int, control: Path) -> Non
     c = await Coordinator.connect(redis_url, pool=POOL, node_id=node_id, settings=WORKER_SETTINGS)
     for s in _specs():  # static instances, as with --instance on every node
         await c.register_instance(s)
+    (control / f"{node_id}.ready").touch()
     rng = random.Random(seed)
     held: set[str] = set()
     errors: list[str] = []
@@ -119,7 +122,9 @@ async def _worker(redis_url: str, node_id: str, seed: int, control: Path) -> Non
                 if rng.random() < 0.8:
                     await c.mark_first_token(res.rid)
                     ops["first_token"] += 1
-                await asyncio.sleep(rng.random() * 0.06)
+                # Mostly short requests; some long streams outlive a fault and its
+                # recovery, so what the re-assert restores is still live afterwards.
+                await asyncio.sleep(rng.random() * (0.8 if rng.random() < 0.25 else 0.06))
                 if len(held) < HOLD_MAX and rng.random() < 0.05:
                     held.add(res.rid)
                     continue
@@ -250,6 +255,7 @@ class Run:
     """The parent's side of one seed."""
 
     server: RedisServer
+    proxy: FaultProxy
     control: Path
     rng: random.Random
     workers: dict[str, Worker] = field(default_factory=dict)
@@ -274,7 +280,7 @@ class Run:
                 "-c",
                 "import sys; from tests.faults.test_fault_stress import worker_main; "
                 "worker_main(*sys.argv[1:])",
-                self.server.url,
+                f"redis://127.0.0.1:{self.proxy.port}/0",
                 node_id,
                 str(self.rng.randrange(1 << 30)),
                 str(self.control),
@@ -331,6 +337,16 @@ class Run:
                 await asyncio.sleep(lease_s * self.rng.uniform(1.5, 2.5))
             finally:
                 os.kill(victim.process.pid, signal.SIGCONT)
+        elif kind == "lost_replies":
+            # A node makes one decision at a time, so one window loses at most one
+            # reserve reply per node: several short windows.
+            for _ in range(4):
+                await self.proxy.set_mode("mute")
+                try:
+                    await asyncio.sleep(self.rng.uniform(0.25, 0.4))
+                finally:
+                    await self.proxy.set_mode("pass")
+                await asyncio.sleep(self.rng.uniform(0.2, 0.3))
         elif kind == "restart_empty":
             self.server.kill()
             await asyncio.sleep(self.rng.uniform(0.05, 0.3))
@@ -361,6 +377,13 @@ def _read(path: Path) -> dict[str, Any] | None:
     return data
 
 
+async def _wait_ready(paths: list[Path], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"workers never became ready: {paths}"
+        await asyncio.sleep(0.05)
+
+
 async def _wait_files(paths: list[Path], timeout_s: float) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -377,12 +400,14 @@ async def test_random_faults_leave_exact_counters(seed: int, tmp_path: Path) -> 
         server = RedisServer().start()
     except ServerUnavailableError as exc:
         pytest.skip(f"no Redis-compatible server: {exc}")
-    run = Run(server, tmp_path, random.Random(seed))
+    proxy = await FaultProxy("127.0.0.1", server.port).start()
+    run = Run(server, proxy, tmp_path, random.Random(seed))
     stop_sampling = asyncio.Event()
     sampler: asyncio.Task[None] | None = None
     try:
         for _ in range(WORKERS):
             await run.spawn()
+        await _wait_ready([tmp_path / f"{w.node_id}.ready" for w in run.alive()], 60)
         sampler = asyncio.create_task(run.sampler(stop_sampling))
         schedule = list(FAULTS)
         run.rng.shuffle(schedule)
@@ -447,4 +472,5 @@ async def test_random_faults_leave_exact_counters(seed: int, tmp_path: Path) -> 
                     os.kill(w.process.pid, signal.SIGCONT)
                     w.process.kill()
                 await w.process.wait()
+        await proxy.close()
         server.stop()

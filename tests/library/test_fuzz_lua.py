@@ -9,10 +9,10 @@ empty strings, missing and extra arguments. Then:
 - the call succeeds, or fails with a mapped error (ScriptArgumentError with a clear
   message; UnknownInstanceError / EpochFencedError where the header names them);
   never a raw Redis error, which would mean the script crashed half-way;
-- a refused call, and a call whose reply says it changed nothing (a snapshot, a
+- a refused call, and a call whose reply says it changed nothing (a read, a
   no-op release, a stale reserve, ...), leave every key of the pool as it was;
 - an unmutated call is never refused as a bad argument;
-- after an accepted call the pool still decodes (a fresh node can snapshot it) and
+- after an accepted call the pool still decodes (a fresh node can read it) and
   every counter equals its live reservations (DESIGN.md §6).
 """
 
@@ -106,6 +106,19 @@ LAYOUTS: dict[str, list[Any]] = {
     "renew_lease": [ids, st.integers(1, 86_400_000).map(str)],
     "reap_node": [ids, flags, st.integers(1, 5000).map(str)],
     "restore": [rids, ids, ids, st.integers(0, 3).map(str), phases, tokens, tokens, ms, ms],
+    "record_outcome": [
+        ids,
+        st.sampled_from(["ok", "fail"]),
+        st.integers(1, 10).map(str),
+        st.integers(1, 86_400_000).map(str),
+        st.integers(1, 1000).map(str),
+        st.integers(1000, 86_400_000).map(str),
+        st.floats(0, 100).map(repr),
+        ms,
+        st.text(max_size=80),
+    ],
+    "read_outliers": [],
+    "store_hints": [ids, hint, hint, hint],
 }
 
 
@@ -234,18 +247,20 @@ async def lua_pool(redis_url: str, pool: str) -> AsyncIterator[Pool]:
 
 
 def extra_keys(c: Coordinator, call: Call) -> list[str]:
-    """KEYS[17] where the header names one: a node's reservation set."""
+    """KEYS[22] where the header names one: a node's reservation set."""
     if call.name == "reap_node":
         node = call.args[0] if call.args and isinstance(call.args[0], str) else NODE
         return [c.keys.node_rids(node if ID_RE.match(node) else NODE)]
     if call.name in ("reserve", "release", "restore"):
         return [c.keys.node_rids(NODE)]
+    if call.name in ("record_outcome", "read_outliers"):
+        return [c.keys.outliers()]
     return []
 
 
 def changed_nothing(name: str, reply: Any) -> bool:
     """Whether a successful reply says the call wrote nothing."""
-    if name in ("read_state", "read_specs"):
+    if name in ("read_state", "read_specs", "read_outliers"):
         return True
     status = reply[0] if isinstance(reply, list) and reply else None
     return (name, status) in {
@@ -260,6 +275,7 @@ def changed_nothing(name: str, reply: Any) -> bool:
         ("reap_node", "alive"),
         ("restore", "void"),
         ("restore", "exists"),
+        ("record_outcome", "unknown"),
     }
 
 
@@ -267,6 +283,7 @@ ALLOWED_ERRORS = {
     "heartbeat": (UnknownInstanceError,),
     "unregister": (UnknownInstanceError,),
     "register": (EpochFencedError,),
+    "store_hints": (UnknownInstanceError,),
 }
 
 
@@ -322,6 +339,9 @@ BASE_CALLS: dict[str, list[str]] = {
     "renew_lease": [NODE, "600000"],
     "reap_node": ["n0", "0", "500"],
     "restore": ["r-new", NODE, "i0", "1", "prefill", "100", "10", "15", "20"],
+    "record_outcome": ["i0", "fail", "1", "10000", "100", "1000", "50", "10000", "status_500"],
+    "read_outliers": [],
+    "store_hints": ["i0", "1.5", "", "2"],
 }
 SWEEP_VALUES = ["-0", "-0.0", "-1", "0x10", " 5", "1e3", "1.5", "nan", "inf", "", "{", "x" * 129]
 

@@ -168,19 +168,25 @@ async def test_failover_under_streaming_load(
                 load.in_flight -= 1
                 load.spans.append((start, time.monotonic()))
 
-    async def hold(node_index: int, rid: str) -> int:
+    rid_of: dict[str, str] = {}  # the test's label -> the node's reservation id
+
+    async def hold(node_index: int, label: str) -> int:
         body = {**CHAT, "stream": True, "hold": True}
         url = nodes[node_index].url + "/v1/chat/completions"
-        headers = {"X-Request-Id": rid}
+        headers = {"X-Request-Id": label}
         async with harness.http.post(url, json=body, headers=headers, timeout=TIMEOUT) as resp:
+            rid_of[label] = resp.headers["X-Reservation-Id"]
             await resp.read()
             return resp.status
 
     def holding() -> int:
         return sum(engine.holding for engine in engines)
 
-    def in_decode(rids: list[str]) -> bool:
+    def in_decode(labels: list[str]) -> bool:
+        if not all(label in rid_of for label in labels):
+            return False
         local = {rid: r for c in coordinators for rid, r in c.local_reservations.items()}
+        rids = [rid_of[label] for label in labels]
         return all(rid in local and local[rid].phase == "decode" for rid in rids)
 
     async def quiesce() -> None:
@@ -211,7 +217,8 @@ async def test_failover_under_streaming_load(
         load.running.set()  # live load straight into the gap
         replica = sentinel.replicas[0]
         on_replica = await records_on(replica.url, coordinators[0])
-        assert set(replicated) <= set(on_replica) and not set(lost) & set(on_replica)
+        kept, dropped = {rid_of[r] for r in replicated}, {rid_of[r] for r in lost}
+        assert kept <= set(on_replica) and not dropped & set(on_replica)
 
         ok_at: dict[str, float] = {}
 
@@ -255,7 +262,7 @@ async def test_failover_under_streaming_load(
         # them (the unreplicated two were restored by the nodes' re-assert), each
         # node's lease and the registrations.
         alive = {rid for c in coordinators for rid in c.local_reservations}
-        assert alive == set(replicated) | set(lost)
+        assert alive == {rid_of[label] for label in (*replicated, *lost)}
 
         async def restored() -> bool:
             stored = await records_on(replica.url, coordinators[0])

@@ -253,7 +253,20 @@ def service_cases(draw: st.DrawFn) -> Case:
     prompt = headers.get("X-Prompt-Tokens")
     if prompt is not None and not prompt_header_ok(prompt):
         return Case("POST", path, body, headers, 400, frozenset({"invalid_header"}))
+    if not output_caps_ok(doc):
+        return Case("POST", path, body, headers, 400, frozenset({"invalid_max_tokens"}))
     return Case("POST", path, body, headers, 200)
+
+
+def output_caps_ok(doc: dict[str, Any]) -> bool:
+    """The output caps the node reads: absent, null, or an integer in 1..10,000,000."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = doc.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10**7:
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------- helpers
@@ -389,14 +402,12 @@ async def test_valid_requests_without_an_instance_get_503_no_instance(
     # with 503 no_instance, a JSON error like every other.
     headers.pop("X-Prompt-Tokens", None)
     raw = json_bytes(body, True)
-    status, code = (
-        (503, "no_instance")
-        if len(raw) <= bare_node.config.max_body_bytes
-        else (
-            413,
-            "body_too_large",
-        )
-    )
+    if len(raw) > bare_node.config.max_body_bytes:
+        status, code = 413, "body_too_large"
+    elif not output_caps_ok(body):
+        status, code = 400, "invalid_max_tokens"
+    else:
+        status, code = 503, "no_instance"
     case = Case("POST", "/v1/chat/completions", raw, headers, status, frozenset({code}))
     answer = await send(harness.http, bare_node.url, case)
     assert answer.status == status, answer.body[:300]

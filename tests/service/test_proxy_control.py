@@ -223,7 +223,10 @@ async def test_debug_reservations_lists_numbers_not_payloads(harness: Harness) -
     assert status == 200 and doc["truncated"] is False
     [row] = doc["reservations"]
     assert set(row) == {"rid", "instance", "node", "phase", "epoch", "age_ms"}
-    assert (row["rid"], row["instance"], row["node"]) == ("rid-7", "e0", node.coordinator.node_id)
+    # The client's X-Request-Id is echoed; the reservation id is the node's own.
+    assert resp.headers["X-Request-Id"] == "rid-7"
+    rid = resp.headers["X-Reservation-Id"]
+    assert (row["rid"], row["instance"], row["node"]) == (rid, "e0", node.coordinator.node_id)
     assert row["phase"] == "decode" and row["age_ms"] >= 0
     assert (await call(harness, "GET", node.control_url + "/debug/reservations?limit=0"))[0] == 400
     engine.gate.set()

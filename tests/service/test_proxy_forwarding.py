@@ -354,6 +354,7 @@ async def test_health_and_metrics_on_both_planes(harness: Harness) -> None:
             "pool": node.coordinator.pool,
             "coordination": "ok",
             "alive_instances": 1,
+            "ejected_instances": 0,
         }
         assert (
             await metric(harness, url, "proxy_requests_total", endpoint="chat", status="200") == 1

@@ -1,0 +1,86 @@
+-- record_outcome: passive health (outlier detection), shared by every node of the pool.
+-- A failed exchange adds to the instance's consecutive failures; reaching the
+-- threshold ejects it for a time that doubles with each repeat (Envoy outlier
+-- detection), unless the ejected share of the alive instances would then exceed
+-- the cap (Envoy max_ejection_percent). A success resets the count. Failures further
+-- apart than the window do not add up (nginx max_fails within fail_timeout).
+-- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[22] = {pool}:outliers  hash "<id>:fails", "<id>:last_fail_ms", "<id>:until_ms",
+--   "<id>:ejections", "<id>:reason", "<id>:epoch" (coordinator/keys.py PoolKeys.outliers);
+--   a record of an older epoch is void: a restarted engine starts clean
+-- ARGV[1] = instance id
+-- ARGV[2] = outcome: 'ok' or 'fail'
+-- ARGV[3] = consecutive failures that eject (integer >= 1)
+-- ARGV[4] = failure window in ms (integer >= 1)
+-- ARGV[5] = first ejection in ms (integer >= 1)
+-- ARGV[6] = longest ejection in ms (integer >= ARGV[5]); also how long an instance must
+--   stay un-ejected before its next ejection starts from the first length again
+-- ARGV[7] = most instances ejected at once, in percent of the alive ones (0..100)
+-- ARGV[8] = instance TTL in ms: who counts as alive (now - last_seen_ms <= ttl)
+-- ARGV[9] = reason of a failure (short text for operators, e.g. 'status_503')
+-- returns {state, consecutive_failures, ejected_until_ms, ejections, now_ms}
+--   state: 'ok' | 'counted' (below the threshold) | 'ejected' (by this call)
+--   | 'already' (ejected before; nothing changed) | 'capped' (at the threshold, but the
+--   share is used up) | 'unknown' (no such instance)
+local O = KEYS[22]
+local id = ARGV[1]
+if not valid_id(id) then return fail('bad_arg', 'instance id') end
+local outcome = ARGV[2]
+if outcome ~= 'ok' and outcome ~= 'fail' then return fail('bad_arg', 'outcome') end
+local threshold = int_arg(ARGV[3], 1000000)
+local window = int_arg(ARGV[4], 86400000)
+local base = int_arg(ARGV[5], 86400000)
+local longest = int_arg(ARGV[6], 86400000)
+local percent = tonumber(ARGV[7])
+local ttl = int_arg(ARGV[8], 86400000)
+if threshold == nil or threshold < 1 or window == nil or window < 1 or base == nil
+    or base < 1 or longest == nil or longest < base or ttl == nil then
+  return fail('bad_arg', 'outlier policy')
+end
+if percent == nil or percent ~= percent or percent < 0 or percent > 100 then
+  return fail('bad_arg', 'max ejection percent must be in 0..100')
+end
+local now = now_ms()
+local epoch = redis.call('HGET', K_EPOCH, id)
+if not epoch then return {'unknown', 0, 0, 0, now} end
+local function field(name) return tonumber(redis.call('HGET', O, id .. ':' .. name) or '0') end
+if redis.call('HGET', O, id .. ':epoch') ~= epoch then
+  redis.call('HDEL', O, id .. ':fails', id .. ':last_fail_ms', id .. ':until_ms',
+    id .. ':ejections', id .. ':reason')
+  redis.call('HSET', O, id .. ':epoch', epoch)
+end
+local until_ms, ejections, fails = field('until_ms'), field('ejections'), field('fails')
+if until_ms > now then return {'already', fails, until_ms, ejections, now} end
+if outcome == 'ok' then
+  if fails ~= 0 then redis.call('HSET', O, id .. ':fails', 0) end
+  return {'ok', 0, until_ms, ejections, now}
+end
+if fails > 0 and now - field('last_fail_ms') > window then fails = 0 end
+fails = fails + 1
+redis.call('HSET', O, id .. ':fails', fails, id .. ':last_fail_ms', string.format('%d', now),
+  id .. ':reason', string.sub(ARGV[9] or '', 1, 64))
+if fails < threshold then return {'counted', fails, until_ms, ejections, now} end
+-- The share cap counts this instance as alive: a node just chose it.
+-- HSCAN, not HGETALL: the documented ACL (docs/security.md) allows only the former.
+local alive, ejected, cursor = 1, 0, '0'
+repeat
+  local page = redis.call('HSCAN', K_LAST_SEEN, cursor, 'COUNT', 1000)
+  cursor = page[1]
+  local seen = page[2]
+  for i = 1, #seen, 2 do
+    if seen[i] ~= id and now - tonumber(seen[i + 1]) <= ttl then
+      alive = alive + 1
+      if tonumber(redis.call('HGET', O, seen[i] .. ':until_ms') or '0') > now then
+        ejected = ejected + 1
+      end
+    end
+  end
+until cursor == '0'
+if (ejected + 1) * 100 > alive * percent then return {'capped', fails, until_ms, ejections, now} end
+if until_ms > 0 and now - until_ms > longest then ejections = 0 end
+local duration = math.min(base * math.pow(2, math.min(ejections, 40)), longest)
+ejections = ejections + 1
+until_ms = now + duration
+redis.call('HSET', O, id .. ':until_ms', string.format('%d', until_ms),
+  id .. ':ejections', ejections, id .. ':fails', 0)
+return {'ejected', fails, until_ms, ejections, now}

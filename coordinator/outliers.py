@@ -1,0 +1,140 @@
+"""Passive health (outlier ejection) shared by every node of a pool: types and parsing.
+
+The state lives in one Redis hash per pool (`PoolKeys.outliers`) and changes only
+through `lua/record_outcome.lua`, so every node counts the same failures and avoids
+the same ejected instances. See docs/reliability.md, "Failing engines".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.errors import InvalidArgumentError
+
+OUTCOME_STATES = ("ok", "counted", "ejected", "already", "capped", "unknown")
+
+
+@dataclass(frozen=True, slots=True)
+class OutlierPolicy:
+    """When an instance is ejected, and for how long (anchors: Envoy, nginx)."""
+
+    consecutive_failures: int = 5  # Envoy consecutive_5xx; 0 = ejection off
+    failure_window_ms: int = 10_000  # nginx fail_timeout: failures further apart restart
+    base_ejection_ms: int = 10_000  # first ejection; doubles with each repeat
+    max_ejection_ms: int = 300_000  # Envoy max_ejection_time
+    max_ejection_percent: float = 50.0  # Envoy max_ejection_percent, of the alive instances
+
+    def __post_init__(self) -> None:
+        for name in ("consecutive_failures", "failure_window_ms", "base_ejection_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.failure_window_ms < 1 or self.base_ejection_ms < 1:
+            raise InvalidArgumentError("failure_window_ms and base_ejection_ms must be >= 1")
+        if (
+            isinstance(self.max_ejection_ms, bool)
+            or not isinstance(self.max_ejection_ms, int)
+            or self.max_ejection_ms < self.base_ejection_ms
+        ):
+            raise InvalidArgumentError("max_ejection_ms must be an integer >= base_ejection_ms")
+        pct = self.max_ejection_percent
+        if isinstance(pct, bool) or not isinstance(pct, int | float) or not math.isfinite(pct):
+            raise InvalidArgumentError("max_ejection_percent must be a number in 0..100")
+        if not 0 <= pct <= 100:
+            raise InvalidArgumentError("max_ejection_percent must be a number in 0..100")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether failures can eject at all."""
+        return self.consecutive_failures > 0
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What recording one exchange's outcome did."""
+
+    state: str  # one of OUTCOME_STATES
+    consecutive_failures: int
+    ejected_until_ms: int  # Redis time; in the past when the instance is not ejected
+    ejections: int  # times ejected recently (the backoff exponent + 1)
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class OutlierState:
+    """One instance's passive-health record, judged at a Redis time."""
+
+    instance_id: str
+    consecutive_failures: int = 0
+    last_failure_ms: int = 0
+    ejected_until_ms: int = 0
+    ejections: int = 0
+    reason: str = ""
+
+    def ejected(self, now_ms: int) -> bool:
+        """Whether the instance is ejected at `now_ms` (Redis time)."""
+        return self.ejected_until_ms > now_ms
+
+    def as_dict(self, now_ms: int) -> dict[str, Any]:
+        """JSON-ready view at `now_ms` (what debug views and inspect show)."""
+        ejected = self.ejected(now_ms)
+        return {
+            "ejected": ejected,
+            "ejected_for_ms": max(0, self.ejected_until_ms - now_ms) if ejected else 0,
+            "consecutive_failures": self.consecutive_failures,
+            "ejections": self.ejections,
+            "last_failure_reason": self.reason or None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class OutlierView:
+    """Every instance's passive-health record, and the Redis time it was read at."""
+
+    now_ms: int
+    states: dict[str, OutlierState]
+
+    def ejected_ids(self, now_ms: int | None = None) -> frozenset[str]:
+        """Ids ejected at `now_ms` (default: the time of the read)."""
+        at = self.now_ms if now_ms is None else now_ms
+        return frozenset(i for i, s in self.states.items() if s.ejected(at))
+
+    def state(self, instance_id: str) -> OutlierState:
+        """The record of one instance (a clean one when it has none)."""
+        return self.states.get(instance_id) or OutlierState(instance_id)
+
+
+FIELDS = {
+    "fails": "consecutive_failures",
+    "last_fail_ms": "last_failure_ms",
+    "until_ms": "ejected_until_ms",
+    "ejections": "ejections",
+    "reason": "reason",
+}
+
+
+def parse_outliers(reply: list[Any]) -> OutlierView:
+    """Decode read_outliers.lua's {now_ms, flat hash} reply."""
+    now_ms, flat = int(reply[0]), reply[1]
+    values: dict[str, dict[str, Any]] = {}
+    for i in range(0, len(flat) - 1, 2):
+        key = _text(flat[i])
+        iid, sep, name = key.rpartition(":")
+        attr = FIELDS.get(name)
+        if not sep or attr is None:
+            continue
+        raw = _text(flat[i + 1])
+        if attr == "reason":
+            values.setdefault(iid, {})[attr] = raw
+            continue
+        try:
+            values.setdefault(iid, {})[attr] = int(float(raw))
+        except ValueError:
+            continue
+    return OutlierView(now_ms, {iid: OutlierState(iid, **v) for iid, v in values.items()})
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,111 @@
+"""Passive health on the node: report each exchange's outcome, avoid ejected instances.
+
+The shared state is the pool's outlier hash in Redis (coordinator/outliers.py,
+lua/record_outcome.lua): every node counts into it and every node avoids what it
+ejects. A node keeps a copy, refreshed every `REFRESH_S` and by its own reports, so
+selection needs no extra round trip; a success is reported only for an instance the
+copy shows failing, so a healthy pool costs no Redis call per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+
+from coordinator import Coordinator
+from coordinator.errors import CoordinatorError
+from coordinator.outliers import OutlierPolicy, OutlierState, OutlierView
+from coordinator.tasks import raise_if_cancelling
+from proxy_node.metrics import NodeMetrics
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 1.0  # how stale this node's view of other nodes' ejections may get
+
+
+class PassiveHealth:
+    """This node's view of the pool's outlier state, and its reporter."""
+
+    def __init__(self, coordinator: Coordinator, policy: OutlierPolicy, metrics: NodeMetrics):
+        self.coordinator = coordinator
+        self.policy = policy
+        self.metrics = metrics
+        self.view = OutlierView(0, {})
+        self._read_mono = time.monotonic()
+
+    def _now_ms(self) -> int:
+        """Redis time now, extrapolated from the last read."""
+        return self.view.now_ms + int((time.monotonic() - self._read_mono) * 1000)
+
+    def ejected_ids(self) -> frozenset[str]:
+        """Instances ejected now, as far as this node knows."""
+        if not self.policy.enabled:
+            return frozenset()
+        return self.view.ejected_ids(self._now_ms())
+
+    def failing(self, instance_id: str) -> bool:
+        """Whether the instance has failures on record (so a success must be reported)."""
+        state = self.view.states.get(instance_id)
+        return state is not None and state.consecutive_failures > 0
+
+    def _apply(self, view: OutlierView) -> None:
+        self.view = view
+        self._read_mono = time.monotonic()
+
+    async def refresh(self) -> OutlierView:
+        """Read the pool's outlier state from Redis (the cached copy when Redis is away)."""
+        try:
+            self._apply(await self.coordinator.read_outliers())
+        except CoordinatorError as exc:
+            log.debug("reading the outlier state failed: %s", exc)
+        return self.view
+
+    async def report(self, instance_id: str, ok: bool, reason: str = "") -> None:
+        """Count one exchange's outcome fleet-wide (never raises; logs an ejection)."""
+        if not self.policy.enabled or (ok and not self.failing(instance_id)):
+            return
+        if not ok:
+            self.metrics.upstream_failures.labels(reason).inc()
+        try:
+            outcome = await self.coordinator.record_outcome(instance_id, ok, self.policy, reason)
+        except CoordinatorError as exc:
+            log.debug("recording the outcome of %s failed: %s", instance_id, exc)
+            return
+        states = dict(self.view.states)
+        old = states.get(instance_id) or OutlierState(instance_id)
+        states[instance_id] = replace(
+            old,
+            consecutive_failures=outcome.consecutive_failures,
+            ejected_until_ms=outcome.ejected_until_ms,
+            ejections=outcome.ejections,
+            reason=reason or old.reason,
+        )
+        self.view = OutlierView(self._now_ms(), states)
+        if outcome.state == "ejected":
+            self.metrics.ejections.inc()
+            log.warning(
+                "ejected instance %s for %d ms after %d consecutive failures (last: %s); "
+                "ejection %d in a row",
+                instance_id,
+                outcome.ejected_until_ms - outcome.now_ms,
+                outcome.consecutive_failures,
+                reason,
+                outcome.ejections,
+            )
+        elif outcome.state == "capped":
+            log.warning(
+                "instance %s failed %d times in a row but stays in: %g%% of the pool is "
+                "ejected already (--eject-max-percent)",
+                instance_id,
+                outcome.consecutive_failures,
+                self.policy.max_ejection_percent,
+            )
+
+    async def refresh_loop(self) -> None:
+        """Refresh the view every REFRESH_S until cancelled."""
+        while True:
+            await self.refresh()
+            raise_if_cancelling()  # redis-py may have swallowed our cancel (coordinator.tasks)
+            await asyncio.sleep(REFRESH_S)

@@ -1,0 +1,325 @@
+"""The proxy as a production edge against failing engines (issue 14 items 1, 3, 6; 13.7).
+
+Passive health ejects an engine that keeps failing, on every node; waits are bounded
+by connect, first-byte and idle timeouts; the output caps the node reads are checked;
+a client's X-Request-Id never becomes a reservation id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+from rich.console import Console
+
+from coordinator import InstanceSpec
+from coordinator.outliers import OutlierPolicy
+from proxy_node.inspect import read_pool, render
+from tests.fake_engine import FakeEngine, Harness, NodeServer, settled
+from tests.helpers import live_reservations, wait_for
+from tests.service.test_proxy_forwarding import CHAT, metric, post
+
+pytestmark = pytest.mark.timeout(60)
+
+STREAM = {**CHAT, "stream": True}
+EJECT = {"eject_consecutive_failures": 2, "eject_base_s": 60.0, "eject_max_s": 600.0}
+
+
+async def register(node: NodeServer, *engines: FakeEngine) -> None:
+    for i, engine in enumerate(engines):
+        await node.coordinator.register_instance(InstanceSpec(id=f"e{i}", url=engine.url))
+
+
+async def loads(harness: Harness, node: NodeServer) -> dict[str, dict[str, Any]]:
+    async with harness.http.get(node.control_url + "/debug/instance_loads") as resp:
+        assert resp.status == 200
+        doc = await resp.json()
+    return {row["id"]: row for row in doc["instances"]}
+
+
+async def ejected(harness: Harness, node: NodeServer, instance: str) -> bool:
+    return bool((await loads(harness, node))[instance]["outlier"]["ejected"])
+
+
+async def in_redis_ejected(node: NodeServer, instance: str) -> bool:
+    # Not through /debug/instance_loads: ranking there advances the tie rotation.
+    return instance in (await node.coordinator.read_outliers()).ejected_ids()
+
+
+async def chat(harness: Harness, node: NodeServer, body: Any = CHAT) -> tuple[int, str, bytes]:
+    async with await post(harness, node, body) as resp:
+        return resp.status, resp.headers.get("X-Instance-Id", ""), await resp.read()
+
+
+# ---------------------------------------------------------------------- ejection
+
+
+async def test_a_failing_engine_is_ejected_on_every_node(harness: Harness) -> None:
+    bad, good = await harness.engine(status=500), await harness.engine()
+    first = await harness.node(**EJECT)
+    second = await harness.node(**EJECT)
+    await register(first, bad, good)
+    # Requests through the first node until its failures eject e0 (ties rotate).
+    for _ in range(20):
+        await chat(harness, first)
+        if await in_redis_ejected(first, "e0"):
+            break
+    await wait_for(lambda: ejected(harness, first, "e0"), what="e0 ejected")
+    row = (await loads(harness, first))["e0"]
+    assert row["rank"] is None and row["outlier"]["last_failure_reason"] == "status_500"
+    # The other node reads the ejection from Redis and avoids e0 too.
+    await wait_for(lambda: ejected(harness, second, "e0"), what="the second node to see it")
+    served_before = bad.requests
+    for _ in range(8):
+        status, instance, _ = await chat(harness, second)
+        assert (status, instance) == (200, "e1")
+    assert bad.requests == served_before
+    assert await metric(harness, second.url, "proxy_instance_ejected", instance="e0") == 1
+    assert await metric(harness, second.url, "proxy_instance_ejected", instance="e1") == 0
+    async with harness.http.get(second.control_url + "/healthz") as resp:
+        assert (await resp.json())["ejected_instances"] == 1
+    async with harness.http.get(second.control_url + "/v1/instances") as resp:
+        flags = {row["id"]: row["ejected"] for row in (await resp.json())["instances"]}
+    assert flags == {"e0": True, "e1": False}
+    await wait_for(lambda: settled(first.coordinator), what="counters back to 0")
+
+
+@pytest.mark.parametrize(
+    ("knobs", "reason"),
+    [
+        ({"status": 503}, "status_503"),
+        ({"crash_after": 1}, "cut_stream"),
+        ({"omit_done": True}, "truncated_stream"),
+        ({"raw_body": b""}, "empty_response"),
+        ({"raw_body": b"<html>not json"}, "malformed_response"),
+    ],
+)
+async def test_each_kind_of_failure_counts(
+    harness: Harness, knobs: dict[str, Any], reason: str
+) -> None:
+    bad, good = await harness.engine(**knobs), await harness.engine()
+    node = await harness.node(eject_consecutive_failures=1, eject_base_s=60.0)
+    await register(node, bad, good)
+    body = CHAT if "raw_body" in knobs else STREAM
+    for _ in range(10):
+        try:
+            await chat(harness, node, body)
+        except aiohttp.ClientPayloadError:
+            assert "crash_after" in knobs  # a cut stream reaches the client as a cut
+        if await in_redis_ejected(node, "e0"):
+            break
+    await wait_for(lambda: ejected(harness, node, "e0"), what="e0 ejected")
+    row = (await loads(harness, node))["e0"]
+    assert row["outlier"]["ejected"], row["outlier"]
+    assert row["outlier"]["last_failure_reason"] == reason
+    assert await metric(harness, node.url, "proxy_upstream_failures_total", reason=reason) >= 1
+    await wait_for(lambda: settled(node.coordinator), what="counters back to 0")
+
+
+async def test_ejection_never_takes_more_than_the_configured_share(harness: Harness) -> None:
+    engines = [await harness.engine(status=500) for _ in range(2)]
+    node = await harness.node(
+        eject_consecutive_failures=1, eject_base_s=60.0, eject_max_percent=50.0
+    )
+    await register(node, *engines)
+    for _ in range(10):
+        status, _, _ = await chat(harness, node)
+        assert status == 502
+    view = await loads(harness, node)
+    assert sorted(row["outlier"]["ejected"] for row in view.values()) == [False, True]
+    # The one left in keeps serving (and failing) rather than leaving nothing.
+    assert sum(engine.requests for engine in engines) == 10
+
+
+async def test_a_success_resets_the_count_and_ejection_backs_off(harness: Harness) -> None:
+    coordinator = await harness.coordinator()
+    await coordinator.register_instance(InstanceSpec(id="e0", url="http://127.0.0.1:9"))
+    await coordinator.register_instance(InstanceSpec(id="e1", url="http://127.0.0.1:10"))
+    policy = OutlierPolicy(
+        consecutive_failures=3,
+        failure_window_ms=60_000,
+        base_ejection_ms=300,
+        max_ejection_ms=60_000,
+    )
+    states = [(await coordinator.record_outcome("e0", False, policy, "x")).state for _ in range(2)]
+    assert states == ["counted", "counted"]
+    assert (await coordinator.record_outcome("e0", True, policy)).state == "ok"
+    assert (await coordinator.record_outcome("e0", False, policy)).consecutive_failures == 1
+    await coordinator.record_outcome("e0", False, policy)
+    first = await coordinator.record_outcome("e0", False, policy)
+    assert first.state == "ejected" and first.ejected_until_ms - first.now_ms == 300
+    assert (await coordinator.record_outcome("e0", True, policy)).state == "already"
+    assert (await coordinator.read_outliers()).ejected_ids() == {"e0"}
+
+    async def readmitted() -> bool:
+        return not (await coordinator.read_outliers()).ejected_ids()
+
+    await wait_for(readmitted, what="e0 re-admitted after its ejection")
+    for _ in range(2):
+        await coordinator.record_outcome("e0", False, policy)
+    second = await coordinator.record_outcome("e0", False, policy)
+    # Ejected again soon after: the ejection doubles.
+    assert second.state == "ejected" and second.ejected_until_ms - second.now_ms == 600
+    assert second.ejections == 2
+
+
+async def test_ejection_can_be_turned_off(harness: Harness) -> None:
+    bad, good = await harness.engine(status=500), await harness.engine()
+    node = await harness.node(eject_consecutive_failures=0)
+    await register(node, bad, good)
+    for _ in range(6):
+        await chat(harness, node)
+    assert bad.requests == 3 and good.requests == 3
+
+
+# ---------------------------------------------------------------------- bounded waits
+
+
+async def test_no_first_byte_in_time_retries_on_another_instance(harness: Harness) -> None:
+    hanging, good = await harness.engine(hang=True), await harness.engine()
+    node = await harness.node(first_byte_timeout_s=0.3, eject_consecutive_failures=0)
+    await register(node, hanging, good)
+    for _ in range(4):  # ties rotate: some requests pick the hanging engine first
+        status, instance, _ = await chat(harness, node)
+        assert (status, instance) == (200, "e1")
+    assert hanging.requests >= 1
+    assert await metric(harness, node.url, "proxy_upstream_timeouts_total", phase="first_byte") >= 1
+    await wait_for(lambda: settled(node.coordinator), what="counters back to 0")
+
+
+async def test_no_first_byte_and_no_other_instance_is_504_json(harness: Harness) -> None:
+    hanging = await harness.engine(hang=True)
+    node = await harness.node(first_byte_timeout_s=0.3)
+    await register(node, hanging)
+    async with await post(harness, node, STREAM) as resp:
+        assert resp.status == 504
+        doc = await resp.json()
+    assert doc["error"]["code"] == "upstream_timeout"
+    assert "0.3 s" in doc["error"]["message"]
+    await wait_for(lambda: settled(node.coordinator), what="counters back to 0")
+
+
+async def test_a_stream_that_stalls_is_cut_after_the_idle_timeout(harness: Harness) -> None:
+    stalling = await harness.engine(chunks=4, gate_after=1)
+    node = await harness.node(idle_timeout_s=0.3, eject_consecutive_failures=0)
+    await register(node, stalling)
+    async with await post(harness, node, STREAM) as resp:
+        assert resp.status == 200
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await resp.read()
+    assert await metric(harness, node.url, "proxy_upstream_timeouts_total", phase="idle") == 1
+    await wait_for(lambda: settled(node.coordinator), what="counters back to 0")
+    stalling.gate.set()
+
+
+# ---------------------------------------------------------------------- request body
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"max_tokens": 1e308}',
+        b'{"max_tokens": -1}',
+        b'{"max_tokens": 0}',
+        b'{"max_tokens": "abc"}',
+        b'{"max_tokens": NaN}',
+        b'{"max_tokens": 12.5}',
+        b'{"max_tokens": true}',
+        b'{"max_tokens": 1' + b"0" * 400 + b"}",
+        b'{"max_completion_tokens": -5}',
+    ],
+)
+async def test_output_caps_the_node_reads_are_validated(harness: Harness, raw: bytes) -> None:
+    engine = await harness.engine()
+    node = await harness.node()
+    await register(node, engine)
+    body = raw[:-1] + b', "messages": [{"role": "user", "content": "hi"}]}'
+    async with await post(harness, node, body) as resp:
+        assert resp.status == 400
+        doc = await resp.json()
+    assert doc["error"]["code"] == "invalid_max_tokens", doc
+    assert "max_" in doc["error"]["message"]
+    assert engine.requests == 0
+    assert not await live_reservations(node.coordinator)
+
+
+async def test_the_rest_of_the_body_passes_unchanged(harness: Harness) -> None:
+    engine = await harness.engine()
+    node = await harness.node()
+    await register(node, engine)
+    raw = (
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": null, '
+        b'"temperature": NaN, "vendor_knob": {"deep": [1, 2.50, "x"]}, "n": 1}'
+    )
+    async with await post(harness, node, raw) as resp:
+        assert resp.status == 200
+    assert engine.bodies == [raw]
+
+
+# ---------------------------------------------------------------------- request ids
+
+
+async def test_a_shared_client_request_id_still_holds_two_reservations(harness: Harness) -> None:
+    engine = await harness.engine(gate_after=1)
+    node = await harness.node()
+    await register(node, engine)
+    headers = {"X-Request-Id": "same-id"}
+    held = [
+        await harness.http.post(node.url + "/v1/chat/completions", json=STREAM, headers=headers)
+        for _ in range(2)
+    ]
+    for resp in held:
+        await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
+        assert resp.headers["X-Request-Id"] == "same-id"
+    records = await live_reservations(node.coordinator)
+    assert len(records) == 2
+    assert {resp.headers["X-Reservation-Id"] for resp in held} == set(records)
+    assert "same-id" not in records
+    assert engine.request_ids == ["same-id", "same-id"]  # forwarded for tracing
+    held[0].close()  # the first client leaves: the second still holds its reservation
+    await wait_for(
+        lambda: _count(live_reservations(node.coordinator), 1), what="one reservation left"
+    )
+    engine.gate.set()
+    async with held[1]:
+        await held[1].read()
+    await wait_for(lambda: settled(node.coordinator), what="counters back to 0")
+
+
+async def _count(records: Any, n: int) -> bool:
+    return len(await records) == n
+
+
+async def test_a_restarted_engine_starts_with_a_clean_record(harness: Harness) -> None:
+    coordinator = await harness.coordinator()
+    await coordinator.register_instance(InstanceSpec(id="e0", url="http://127.0.0.1:9"))
+    await coordinator.register_instance(InstanceSpec(id="e1", url="http://127.0.0.1:10"))
+    policy = OutlierPolicy(consecutive_failures=1, base_ejection_ms=60_000)
+    assert (await coordinator.record_outcome("e0", False, policy, "x")).state == "ejected"
+    assert (await coordinator.read_outliers()).ejected_ids() == {"e0"}
+    # The engine restarts: a new epoch is a new process, not the one that failed.
+    await coordinator.register_instance(InstanceSpec(id="e0", url="http://127.0.0.1:9", epoch=2))
+    assert (await coordinator.read_outliers()).states == {}
+    assert (await coordinator.record_outcome("e0", True, policy)).state == "ok"
+
+
+async def test_inspect_shows_the_ejection(harness: Harness) -> None:
+    coordinator = await harness.coordinator()
+    for i in range(2):
+        await coordinator.register_instance(
+            InstanceSpec(id=f"e{i}", url=f"http://127.0.0.1:{9 + i}")
+        )
+    policy = OutlierPolicy(consecutive_failures=1, base_ejection_ms=60_000)
+    await coordinator.record_outcome("e1", False, policy, "status_502")
+    state = await read_pool(coordinator, coordinator.settings)
+    rows = {row["id"]: row for row in state.loads["instances"]}
+    assert rows["e1"]["outlier"]["ejected"] and rows["e1"]["rank"] is None
+    assert rows["e0"]["rank"] == 0
+    console = Console(width=200, record=True, highlight=False)
+    console.print(render(state, harness.redis_url, 200))
+    text = console.export_text()
+    assert "1 ejected" in text
+    e1 = next(line for line in text.splitlines() if " e1 " in f" {line} ")
+    assert "ejected(" in e1
