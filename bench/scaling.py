@@ -34,7 +34,12 @@ sys.path.insert(0, str(ROOT))
 from bench.docs import add_write_docs  # noqa: E402
 from coordinator import Coordinator, InstanceSpec, Settings  # noqa: E402
 from coordinator.connection import connect_redis  # noqa: E402
-from coordinator.coordinator import SPEC_READ_STEP, SWEEP_STEP, LocalReservation  # noqa: E402
+from coordinator.coordinator import (  # noqa: E402
+    REAP_STEP,
+    SPEC_READ_STEP,
+    SWEEP_STEP,
+    LocalReservation,
+)
 from coordinator.keys import PoolKeys  # noqa: E402
 from coordinator.scripts import SCRIPT_NAMES, script_source  # noqa: E402
 from local_fleet.embedded import EmbeddedRedis  # noqa: E402
@@ -397,9 +402,9 @@ class Scale:
 
 
 # Items one call of a stepped script handles, and where the step is set.
-STEPS = {"reap_node": SWEEP_STEP, "sweep": SWEEP_STEP, "read_specs": SPEC_READ_STEP}
+STEPS = {"reap_node": REAP_STEP, "sweep": SWEEP_STEP, "read_specs": SPEC_READ_STEP}
 STEP_NAMES = {
-    "reap_node": "coordinator.coordinator.SWEEP_STEP",
+    "reap_node": "coordinator.coordinator.REAP_STEP",
     "sweep": "coordinator.coordinator.SWEEP_STEP",
     "read_specs": "coordinator.coordinator.SPEC_READ_STEP",
 }
@@ -1065,7 +1070,7 @@ def render(r: Results) -> str:
         "  `spec_gen` is behind reads exactly the changed ids (`read_specs`, 500 per",
         "  step); a node that fell behind the kept log, or a new node, reads every spec",
         "  with HSCAN, 500 per step. An unchanged spec is never resent.",
-        "- **Bounded steps.** `reap_node` releases at most 500 reservations per call and",
+        "- **Bounded steps.** `reap_node` releases at most 100 reservations per call and",
         "  answers `more`; `unregister` and an epoch bump zero the counters at once and",
         "  leave the records to `sweep` (500 per call, driven by the lease loop through",
         "  `Coordinator.reap_expired()`); `register`/`unregister` sweep up to 500 too.",

@@ -71,7 +71,8 @@ UNAVAILABLE = (
 MAX_TOKENS = 10_000_000
 NOSCRIPT_RETRIES = 3  # extra loads when scripts are flushed again mid-call
 SPEC_READ_STEP = 500  # instances per read_specs call: bounded work per script
-SWEEP_STEP = 500  # records one reap_node/sweep call may delete
+SWEEP_STEP = 500  # void records one sweep call may delete (about 3 us each)
+REAP_STEP = 100  # reservations one reap_node call may release (about 20 us each)
 
 
 @dataclass(slots=True)
@@ -805,7 +806,7 @@ class Coordinator:
         reaped = 0
         while True:
             reply = await self._call(
-                "reap_node", [node_id, int(force), SWEEP_STEP], (self.keys.node_rids(node_id),)
+                "reap_node", [node_id, int(force), REAP_STEP], (self.keys.node_rids(node_id),)
             )
             reaped += int(reply[1])
             if str(reply[0]) != "more":

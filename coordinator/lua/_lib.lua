@@ -199,8 +199,10 @@ local function free_slot(id)
   redis.call('ZADD', K_FREE_SLOTS, slot, slot)
 end
 
--- Remove one reservation and its counters. `rec` is the decoded record.
-local function drop_reservation(rid, rec, now)
+-- Remove one reservation and its counters. `rec` is the decoded record. With a
+-- `touched` table, the instance's packed record is left for the caller to rewrite
+-- once per instance (sync_touched), not once per reservation.
+local function drop_reservation(rid, rec, now, touched)
   local id = rec.instance
   redis.call('HDEL', K_RES, rid)
   redis.call('ZREM', K_BY_INSTANCE, lex_member(id, rec.epoch, rec.end_at_ms, rid))
@@ -215,7 +217,11 @@ local function drop_reservation(rid, rec, now)
   else
     if num(K_DECODE, id) > 0 then redis.call('HINCRBY', K_DECODE, id, -1) end
   end
-  sync_state(id)
+  if touched then touched[id] = true else sync_state(id) end
+end
+
+local function sync_touched(touched)
+  for id in pairs(touched) do sync_state(id) end
 end
 
 -- Void every reservation of `id` older than its current epoch (all of them once the

@@ -2,7 +2,7 @@
 
 No timing is asserted: the durations the benchmark reports depend on the machine.
 What must hold anywhere is the shape of the work: reaping and sweeping take several
-calls of at most one step (coordinator.coordinator.SWEEP_STEP) each, a re-assert
+calls of at most one step (coordinator.coordinator.REAP_STEP, SWEEP_STEP) each, a re-assert
 restores one reservation per call, and a new node reads a big pool's specs in steps
 (SPEC_READ_STEP).
 """
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from bench.scaling import Scale, _stalls
-from coordinator.coordinator import SPEC_READ_STEP, SWEEP_STEP
+from coordinator.coordinator import REAP_STEP, SPEC_READ_STEP, SWEEP_STEP
 from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError, free_port
 
 pytestmark = pytest.mark.real
@@ -49,8 +49,8 @@ async def test_stall_scenario_runs_long_work_in_bounded_steps(server: EmbeddedRe
     assert set(ops) == {"a", "b", "c", "d", "e", "f0", "f"}
     # A new node reads every spec in steps of at most SPEC_READ_STEP instances.
     assert ops["a"]["steps"]["read_specs"] >= math.ceil(scale.instances / SPEC_READ_STEP)
-    # The dead node's reservations go in steps of SWEEP_STEP (the scenario checks all went).
-    assert ops["c"]["steps"] == {"reap_node": math.ceil(scale.dead_node / SWEEP_STEP)}
+    # The dead node's reservations go in steps of REAP_STEP (the scenario checks all went).
+    assert ops["c"]["steps"] == {"reap_node": math.ceil(scale.dead_node / REAP_STEP)}
     # Unregister voids at once and sweeps one step; the lease loop sweeps the rest.
     assert ops["d"]["steps"]["unregister"] == 1
     assert ops["d"]["steps"]["sweep"] >= math.ceil(scale.one_instance / SWEEP_STEP) - 1
