@@ -1070,7 +1070,7 @@ def render(r: Results) -> str:
         "  `spec_gen` is behind reads exactly the changed ids (`read_specs`, 500 per",
         "  step); a node that fell behind the kept log, or a new node, reads every spec",
         "  with HSCAN, 500 per step. An unchanged spec is never resent.",
-        "- **Bounded steps.** `reap_node` releases at most 100 reservations per call and",
+        "- **Bounded steps.** `reap_node` releases at most 50 reservations per call and",
         "  answers `more`; `unregister` and an epoch bump zero the counters at once and",
         "  leave the records to `sweep` (500 per call, driven by the lease loop through",
         "  `Coordinator.reap_expired()`); `register`/`unregister` sweep up to 500 too.",

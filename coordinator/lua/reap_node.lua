@@ -6,7 +6,7 @@
 -- ARGV[2] = force: '1' reaps even a live lease (a node restarting under its old id
 --           reaps its predecessor's reservations before taking the lease)
 -- ARGV[3] = budget: reservations to release in this step (1..5000; default 500; the
---   node asks for 100, which keeps a step far below 5 ms)
+--   node asks for 50, which keeps a step well below 5 ms)
 -- returns {'reaped', n}   every reservation released and the lease removed
 --       | {'more', n}     n released; more remain (call again)
 --       | {'alive', 0}    the lease was renewed meanwhile

@@ -193,7 +193,7 @@ async def test_a_dead_node_is_reaped_in_bounded_steps(make_coordinator: MakeCoor
     reaper = await make_coordinator("reaper")
     calls = count_calls(reaper)
     assert await reaper.reap_node("dead", force=True) == 1_100
-    assert calls["reap_node"] == 11  # ten steps of REAP_STEP (100), then the lease
+    assert calls["reap_node"] == 22  # 1,100 in steps of REAP_STEP (50)
     assert await live_reservations(reaper) == {}
     await assert_counters_match_reservations(reaper)
 
