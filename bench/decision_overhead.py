@@ -231,3 +231,7 @@ def main(
     add_arguments(parser)
     parser.set_defaults(overhead_command=command)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -199,3 +199,7 @@ def main(argv: Sequence[str] | None = None, command: str = "python bench/herding
     add_arguments(parser)
     parser.set_defaults(herding_command=command)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
