@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -98,3 +99,12 @@ def test_overhead_writes_its_section_only_with_write_docs(
     args = build_parser().parse_args([*argv, *(["--write-docs"] if write else [])])
     assert bench.decision_overhead.run(args) == 0
     assert written == (["decision", "plot"] if write else [])
+
+
+def test_every_script_the_docs_name_runs_as_a_script() -> None:
+    """`python bench/X.py` in a module's own docs needs a __main__ block to do anything."""
+    root = Path(__file__).resolve().parents[2]
+    named = [p for p in (root / "bench").glob("*.py") if f"python bench/{p.name}" in p.read_text()]
+    assert named, "no bench script documents how to run it"
+    for path in named:
+        assert 'if __name__ == "__main__":' in path.read_text(), path.name
