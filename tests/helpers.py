@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
+
+import pytest
 
 from coordinator import Coordinator, InstanceSpec
 from coordinator.keys import PoolKeys
 from coordinator.packed import as_bytes, unpack_state
+from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError, free_port
 
 COUNTER_COLUMNS = ("inflight", "pending_prefill", "active_decode")
 
@@ -162,3 +166,20 @@ async def delete_pool(client: Any, prefix: str, pool: str) -> None:
     keys = [key async for key in client.scan_iter(match=pattern, count=500)]
     if keys:
         await client.delete(*keys)
+
+
+@contextlib.contextmanager
+def private_server() -> Iterator[EmbeddedRedis]:
+    """A private Redis-compatible server on a fixed free port (skips the test without one).
+
+    For tests that change server-wide settings (ACLs, SLOWLOG) or stop and restart it:
+    `stop()` then `start()` brings it back empty on the same port.
+    """
+    try:
+        server = EmbeddedRedis(port=free_port()).start()
+    except ServerUnavailableError as exc:
+        pytest.skip(f"no Redis-compatible server to start: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -161,6 +161,32 @@ local function sync_state(id)
     .. be(num(K_PREFILL_FREE, id), 6) .. be(earliest_end(id, epoch), 6))
 end
 
+-- The hint arguments ARGV[2..4] (engine_running, engine_waiting, queue_depth: a
+-- number >= 0, or '' when not reported): an error reply, or nil when all are valid.
+local function bad_hint_args()
+  for i = 2, 4 do
+    if ARGV[i] ~= '' then
+      local v = tonumber(ARGV[i])
+      if v == nil or v ~= v or v < 0 or v > 1e12 then
+        return fail('bad_arg', HINTS[i - 1] .. ' must be a number >= 0')
+      end
+    end
+  end
+  return nil
+end
+
+-- Store the reported hints of ARGV[2..4] for `id`, stamped with the Redis time.
+local function store_hint_args(id, now)
+  for i = 2, 4 do
+    if ARGV[i] ~= '' then
+      local name = id .. ':' .. HINTS[i - 1]
+      -- Stored re-formatted: Lua reads '0x10' or ' 5', the Python reader may not.
+      local value = string.format('%.17g', tonumber(ARGV[i]))
+      redis.call('HSET', K_HINTS, name, value, name .. '_at_ms', string.format('%d', now))
+    end
+  end
+end
+
 -- Rewrite instance `id`'s packed liveness record (last_seen and hints).
 local function sync_live(id)
   local slot = redis.call('HGET', K_SLOT, id)

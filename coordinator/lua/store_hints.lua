@@ -10,23 +10,11 @@
 -- errors: LCERR unknown_instance when the id is not registered
 local id = ARGV[1]
 if not valid_id(id) then return fail('bad_arg', 'instance id') end
-for i = 2, 4 do
-  if ARGV[i] ~= '' then
-    local v = tonumber(ARGV[i])
-    if v == nil or v ~= v or v < 0 or v > 1e12 then
-      return fail('bad_arg', HINTS[i - 1] .. ' must be a number >= 0')
-    end
-  end
-end
+local bad = bad_hint_args()
+if bad then return bad end
 local epoch = redis.call('HGET', K_EPOCH, id)
 if not epoch then return fail('unknown_instance', id) end
 local now = now_ms()
-for i = 2, 4 do
-  if ARGV[i] ~= '' then
-    local name = id .. ':' .. HINTS[i - 1]
-    local value = string.format('%.17g', tonumber(ARGV[i]))
-    redis.call('HSET', K_HINTS, name, value, name .. '_at_ms', string.format('%d', now))
-  end
-end
+store_hint_args(id, now)
 sync_live(id)
 return {'ok', tonumber(epoch)}

@@ -16,7 +16,8 @@ import pytest
 
 from bench.scaling import Scale, _stalls
 from coordinator.coordinator import REAP_STEP, SPEC_READ_STEP, SWEEP_STEP
-from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError, free_port
+from local_fleet.embedded import EmbeddedRedis
+from tests.helpers import private_server
 
 pytestmark = pytest.mark.real
 
@@ -24,14 +25,8 @@ pytestmark = pytest.mark.real
 @pytest.fixture
 def server() -> Iterator[EmbeddedRedis]:
     """A private server: the scenario changes SLOWLOG settings."""
-    try:
-        private = EmbeddedRedis(port=free_port()).start()
-    except ServerUnavailableError as exc:
-        pytest.skip(f"no Redis-compatible server binary: {exc}")
-    try:
-        yield private
-    finally:
-        private.stop()
+    with private_server() as server:
+        yield server
 
 
 async def test_stall_scenario_runs_long_work_in_bounded_steps(server: EmbeddedRedis) -> None:

@@ -13,11 +13,12 @@ from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from coordinator import Coordinator, EpochFencedError, Settings
 from coordinator.connection import connect_redis
 from coordinator.errors import CoordinationUnavailableError, is_write_refused
-from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError, free_port
+from local_fleet.embedded import EmbeddedRedis, free_port
 from tests.helpers import (
     assert_counters_match_reservations,
     counters,
     live_reservations,
+    private_server,
     spec,
     wait_for,
 )
@@ -30,14 +31,8 @@ SETTINGS = Settings(redis_timeout_ms=100, recovery_interval_ms=50)
 @pytest.fixture
 def server() -> Iterator[EmbeddedRedis]:
     """A private server on a fixed port; `stop()` then `start()` brings it back empty."""
-    try:
-        private = EmbeddedRedis(port=free_port()).start()
-    except ServerUnavailableError as exc:
-        pytest.skip(f"no Redis-compatible server binary: {exc}")
-    try:
-        yield private
-    finally:
-        private.stop()
+    with private_server() as server:
+        yield server
 
 
 @pytest.fixture

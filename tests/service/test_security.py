@@ -43,6 +43,7 @@ from proxy_node.inspect import read_pool
 from proxy_node.serve import HTTP_LIMITS, serve
 from tests.fake_engine import FakeEngine, Harness, NodeServer, settled
 from tests.helpers import delete_pool, wait_for
+from tests.helpers import private_server as private_redis
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -176,14 +177,8 @@ def create_user(admin: SyncRedis, user: str, password: str) -> None:
 @pytest.fixture(scope="module")
 def private_server() -> Iterator[EmbeddedRedis]:
     """A private server: ACLs are server-wide and must never touch the shared one."""
-    try:
-        server = EmbeddedRedis().start()
-    except ServerUnavailableError as exc:
-        pytest.skip(f"no Redis-compatible server to start: {exc}")
-    try:
+    with private_redis() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @dataclass
