@@ -31,7 +31,10 @@ from local_fleet.embedded import EmbeddedRedis
 from local_fleet.pools import delete_pool
 from local_fleet.stats import nearest_rank
 
-SETTINGS = Settings(instance_ttl_ms=600_000, heartbeat_interval_ms=1_000, redis_timeout_ms=2_000)
+# A long lease: the bench runs no lease loop, and a node past its lease must re-assert.
+SETTINGS = Settings(
+    instance_ttl_ms=600_000, heartbeat_interval_ms=1_000, redis_timeout_ms=2_000, lease_ms=600_000
+)
 COMMAND = "coordinator bench overhead"
 
 
