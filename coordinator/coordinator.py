@@ -602,7 +602,7 @@ class Coordinator:
             if not current:
                 raise CoordinationUnavailableError("redis lost the pool: re-asserting")
             if status == "full":
-                # The reply's delta may show room the ranking missed: rank again.
+                # The reply's view may show room the ranking missed: rank again.
                 if attempt == s.reserve_retries or not self._room_left(skip):
                     raise PoolFullError(int(reply[1]))
             self.stats.reserve_retries += 1

@@ -2,7 +2,7 @@
 
 `strategies.least_load` is the reference: a pure function over InstanceLoad rows.
 Building those rows costs O(instances) Python objects per decision, so the hot path
-keeps the cache in numpy columns instead, updates only the rows a delta changed, and
+keeps the cache in numpy columns instead, updates only the rows a view changed, and
 ranks with array arithmetic; the result (order, totals, tie rotation) is identical to
 the reference, which tests/library/test_fastrank.py checks on random pools. Only the top-k
 candidates are materialized as InstanceLoad rows with their Score objects.

@@ -221,7 +221,7 @@ class _Frames:
         if self.current is None:
             self.current = _coordinator(self.args.redis_url, self.args.pool, self.settings)
         try:
-            # One Coordinator across frames: its cache makes each read incremental.
+            # One Coordinator across frames: its cache reads specs only when they change.
             state = await read_pool(self.current, self.settings)
         except InspectError as exc:
             # A degraded Coordinator would start re-asserting a lease for node
