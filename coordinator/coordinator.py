@@ -818,6 +818,19 @@ class Coordinator:
                 self.on_reaped(reaped)
         return reaped
 
+    async def retire(self) -> int:
+        """Leave the pool cleanly: release what this node still holds, drop its lease.
+
+        For a node that has drained (a clean shutdown): peers then need not wait a
+        lease to reap it. Returns the reservations released. Not for a node that may
+        go on serving; with Redis away it does nothing (the lease then expires).
+        """
+        self._local.clear()
+        self._pending_releases.clear()
+        with suppress(CoordinationUnavailableError):
+            return await self.reap_node(self.node_id, force=True)
+        return 0
+
     async def reap_expired(self) -> int:
         """Renew this node's lease, reap every expired node, sweep void records.
 

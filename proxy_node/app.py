@@ -121,6 +121,8 @@ async def _coordinator_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     await app[STATE].drain()
     if not app[INJECTED]:
+        # Drained: what is left would only wait out the lease before a peer reaps it.
+        await coordinator.retire()
         await coordinator.close()
 
 

@@ -194,3 +194,18 @@ async def test_lease_bounds_are_accepted(make_coordinator: MakeCoordinator, leas
     await c.renew_lease()
     deadline = await lease_deadline(c, "node-x")
     assert deadline is not None
+
+
+async def test_retire_releases_what_is_left_and_drops_the_lease(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    c = await make_coordinator("leaving")
+    await c.register_instance(spec(0))
+    for _ in range(3):
+        await c.reserve(10, 10)
+    assert await c.redis.zscore(c.keys.column("nodes"), "leaving") is not None
+    assert await c.retire() == 3
+    assert await c.redis.zscore(c.keys.column("nodes"), "leaving") is None
+    assert await live_reservations(c) == {}
+    assert c.local_reservations == {}
+    await assert_counters_match_reservations(c)

@@ -237,8 +237,10 @@ async def test_sigterm_stops_within_the_drain_timeout(redis_url: str, pool: str)
             pytest.fail("the node did not stop within its drain timeout")
         assert proc.returncode == 0
         resp.close()
-        # The held stream's reservation was released on the way out.
+        # The held stream's reservation was released on the way out, and the node left
+        # no lease behind for peers to wait out.
         assert await client.hlen(f"lc:{{{pool}}}:reservations") == 0
+        assert await client.zcard(f"lc:{{{pool}}}:nodes") == 0
     finally:
         if proc.returncode is None:
             proc.kill()
