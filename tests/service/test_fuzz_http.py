@@ -513,7 +513,7 @@ def auth_headers(draw: st.DrawFn) -> dict[str, str]:
     return headers
 
 
-fresh_ids = st.from_regex(ID_RE, fullmatch=True).filter(lambda s: s != KEEPER)
+fresh_ids = st.from_regex(ID_RE, fullmatch=True).filter(lambda s: s not in (KEEPER, SERVED))
 spec_fields = {
     "id": json_values | fresh_ids,
     "url": json_values | st.sampled_from(["http://127.0.0.1:9", "https://x", "ftp://x", ""]),
