@@ -593,6 +593,11 @@ class Coordinator:
                 self._leased = True
                 if force:
                     self.stats.forced_reserves += 1
+                if current and self._cache.specs_behind:
+                    # A spec changed meanwhile (a restart on another address, say): the
+                    # reservation must go to the URL Redis has now, not the cached one.
+                    with suppress(CoordinationUnavailableError):
+                        await self._read_specs(self._call)
                 return self._record(rid, reply, prompt, expected, ranking)
             if status == "nolease":
                 # Peers may have reaped this node: re-assert before writing again.

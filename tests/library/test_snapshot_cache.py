@@ -236,3 +236,16 @@ async def test_pool_lost_with_nothing_back_empties_the_view(
     assert a._cache.run_id != old_run
     assert a._cache.rows == {}
     assert (await a.snapshot()).rows == []
+
+
+async def test_a_reservation_goes_to_the_url_redis_has_now(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """An engine restarted on another address: the next reservation carries the new URL."""
+    a = await make_coordinator("node-a")
+    b = await make_coordinator("node-b")
+    await b.register_instance(spec(0, url="http://127.0.0.1:9000"))
+    await a.release((await a.reserve(10, 10)).rid)  # a's view is fresh and knows the old URL
+    await b.register_instance(spec(0, url="http://127.0.0.1:9999", epoch=2))
+    res = await a.reserve(10, 10)
+    assert (res.epoch, res.url) == (2, "http://127.0.0.1:9999")
