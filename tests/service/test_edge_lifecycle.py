@@ -140,6 +140,7 @@ async def test_the_lease_loop_ends_when_its_cancel_is_swallowed(redis_url: str, 
     try:
         await ends_after_cancel(coordinator._lease_loop, swallower.entered)
     finally:
+        await delete_pool(coordinator.redis, coordinator.settings.key_prefix, pool)
         await coordinator.close()
 
 
