@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from coordinator import Coordinator, InstanceSpec
+from coordinator import Coordinator, InstanceSpec, Settings
 from coordinator.keys import PoolKeys
-from coordinator.packed import as_bytes, unpack_state
+from coordinator.packed import LIVE_BYTES, LiveRecord, as_bytes, pack_live, unpack_state
 from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError, free_port
 
 COUNTER_COLUMNS = ("inflight", "pending_prefill", "active_decode")
@@ -183,3 +183,25 @@ def private_server() -> Iterator[EmbeddedRedis]:
         yield server
     finally:
         server.stop()
+
+
+async def register_stale_instance(redis_url: str, pool: str, instance_id: str) -> None:
+    """An instance whose engine stopped heartbeating a minute ago (as stored in Redis).
+
+    Its last-seen time goes back in the column hash and in the packed record the
+    nodes read (coordinator/packed.py), as a heartbeat a minute ago would have left it.
+    """
+    c = await Coordinator.connect(
+        redis_url, pool=pool, node_id="setup", settings=Settings(), background=False
+    )
+    try:
+        await c.register_instance(spec(instance_id, url="http://127.0.0.1:9"))
+        seconds, micros = await c.redis.time()
+        seen = int(seconds) * 1000 + int(micros) // 1000 - 60_000
+        await c.redis.hset(c.keys.column("last_seen_ms"), instance_id, seen)
+        slot = int(await c.redis.hget(c.keys.column("slot"), instance_id))
+        record = pack_live(LiveRecord(seen)).decode("ascii")
+        await c.redis.setrange(c.keys.column("live"), slot * LIVE_BYTES, record)
+        await c.redis.zrem(c.keys.column("nodes"), "setup")  # leave no lease behind
+    finally:
+        await c.close()

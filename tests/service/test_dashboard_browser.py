@@ -23,13 +23,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from coordinator import Coordinator, Settings
-from coordinator.keys import PoolKeys
+from coordinator import Coordinator
 from proxy_node.app import create_app, create_control_app
 from proxy_node.config import NodeConfig
 from proxy_node.dashboard import add_dashboard_routes
 from tests.fake_engine import FakeEngine, Harness, NodeServer
-from tests.helpers import spec, wait_for
+from tests.helpers import register_stale_instance, spec, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -308,23 +307,6 @@ async def dashboard_node(
     node = NodeServer(coordinator, cfg, urls[0], urls[1], app, runners)
     harness.nodes.append(node)  # stopped by harness.close()
     return node
-
-
-async def register_stale_instance(redis_url: str, pool: str, instance_id: str) -> None:
-    """An instance whose engine stopped heartbeating a minute ago (as stored in Redis)."""
-    settings = Settings(redis_timeout_ms=1000)
-    c = await Coordinator.connect(
-        redis_url, pool=pool, node_id="setup", settings=settings, background=False
-    )
-    try:
-        await c.register_instance(spec(instance_id, url="http://127.0.0.1:9"))
-        seconds, micros = await c.redis.time()
-        now_ms = seconds * 1000 + micros // 1000
-        last_seen = PoolKeys(settings.key_prefix, pool).column("last_seen_ms")
-        await c.redis.hset(last_seen, instance_id, now_ms - 60_000)
-        await c.redis.zrem(c.keys.column("nodes"), "setup")  # leave no lease behind
-    finally:
-        await c.close()
 
 
 async def heartbeats(coordinator: Coordinator, engines: dict[str, FakeEngine]) -> None:

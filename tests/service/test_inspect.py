@@ -21,12 +21,11 @@ import pytest
 from rich.console import Console
 
 from coordinator import Coordinator, Settings
-from coordinator.packed import LIVE_BYTES, LiveRecord, pack_live
 from coordinator_cli.main import build_parser
 from local_fleet.embedded import free_port
 from proxy_node.inspect import NODE_ID, PoolState, read_pool, render
 from tests.fake_engine import Harness
-from tests.helpers import delete_pool, spec, wait_for
+from tests.helpers import delete_pool, register_stale_instance, spec, wait_for
 
 pytestmark = pytest.mark.timeout(40)
 
@@ -65,24 +64,6 @@ def run_inspect(*argv: str) -> int:
 async def redis_now_ms(c: Coordinator) -> int:
     seconds, micros = await c.redis.time()
     return int(seconds) * 1000 + int(micros) // 1000
-
-
-async def add_stale_instance(redis_url: str, pool: str, instance_id: str) -> None:
-    """An instance whose engine stopped heartbeating a minute ago (as stored in Redis)."""
-    c = await Coordinator.connect(
-        redis_url, pool=pool, node_id="setup", settings=Settings(), background=False
-    )
-    try:
-        await c.register_instance(spec(instance_id, url="http://127.0.0.1:9"))
-        seen = await redis_now_ms(c) - 60_000
-        await c.redis.hset(c.keys.column("last_seen_ms"), instance_id, seen)
-        # ... and in the packed record nodes read (coordinator/packed.py).
-        slot = int(await c.redis.hget(c.keys.column("slot"), instance_id))
-        record = pack_live(LiveRecord(seen)).decode("ascii")
-        await c.redis.setrange(c.keys.column("live"), slot * LIVE_BYTES, record)
-        await c.redis.zrem(c.keys.column("nodes"), "setup")  # leave no lease behind
-    finally:
-        await c.close()
 
 
 async def load_pool(c: Coordinator) -> dict[str, list[str]]:
@@ -136,7 +117,7 @@ def normalized(doc: dict[str, Any]) -> dict[str, Any]:
 async def test_json_equals_the_nodes_debug_view(
     harness: Harness, redis_url: str, pool: str
 ) -> None:
-    await add_stale_instance(redis_url, pool, "gone")
+    await register_stale_instance(redis_url, pool, "gone")
     node = await harness.node(await harness.coordinator(node_id="node-a"))
     await load_pool(node.coordinator)
     await wait_for(lambda: prefill_elapsed(node.coordinator), what="prefill windows to pass")
@@ -167,7 +148,7 @@ async def test_json_equals_the_nodes_debug_view(
 @pytest.fixture
 async def quiet_pool(redis_url: str, pool: str) -> AsyncIterator[Coordinator]:
     """A loaded pool, one node lease and one expired lease; no background task runs."""
-    await add_stale_instance(redis_url, pool, "gone")
+    await register_stale_instance(redis_url, pool, "gone")
     c = await Coordinator.connect(
         redis_url, pool=pool, node_id="node-a", settings=Settings(), background=False
     )
