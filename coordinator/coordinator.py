@@ -49,6 +49,7 @@ from coordinator.models import (
     Reservation,
 )
 from coordinator.outliers import Outcome, OutlierPolicy, OutlierView, parse_outliers
+from coordinator.packed import as_text
 from coordinator.pressure import instance_load
 from coordinator.scripts import Scripts
 from coordinator.settings import STRATEGIES, Settings
@@ -416,8 +417,8 @@ class Coordinator:
         collected: list[Any] = []
         while True:
             reply = await call("read_specs", [since, cursor, SPEC_READ_STEP])
-            mode, nxt, entries = _text(reply[2]), _text(reply[3]), list(reply[4])
-            if _text(reply[0]) != cache.run_id:
+            mode, nxt, entries = as_text(reply[2]), as_text(reply[3]), list(reply[4])
+            if as_text(reply[0]) != cache.run_id:
                 return  # the pool was lost meanwhile: the next view starts over
             if mode == "delta":
                 cache.apply_specs(entries)
@@ -1082,10 +1083,6 @@ class Coordinator:
             if is_write_refused(exc):
                 raise WriteRefusedError(f"redis refuses writes: {exc}") from exc
             raise
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 __all__ = ["Coordinator", "LocalReservation", "RegisterResult", "Stats", "UnknownInstanceError"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.errors import InvalidArgumentError
+from coordinator.packed import as_text
 
 OUTCOME_STATES = ("ok", "counted", "ejected", "already", "capped", "unknown")
 
@@ -120,12 +121,12 @@ def parse_outliers(reply: list[Any]) -> OutlierView:
     now_ms, flat = int(reply[0]), reply[1]
     values: dict[str, dict[str, Any]] = {}
     for i in range(0, len(flat) - 1, 2):
-        key = _text(flat[i])
+        key = as_text(flat[i])
         iid, sep, name = key.rpartition(":")
         attr = FIELDS.get(name)
         if not sep or attr is None:
             continue
-        raw = _text(flat[i + 1])
+        raw = as_text(flat[i + 1])
         if attr == "reason":
             values.setdefault(iid, {})[attr] = raw
             continue
@@ -134,7 +135,3 @@ def parse_outliers(reply: list[Any]) -> OutlierView:
         except ValueError:
             continue
     return OutlierView(now_ms, {iid: OutlierState(iid, **v) for iid, v in values.items()})
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

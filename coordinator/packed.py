@@ -54,6 +54,11 @@ class LiveRecord:
     hints: dict[str, Hint] = field(default_factory=dict)
 
 
+def as_text(value: Any) -> str:
+    """A reply value as text, whether the client decodes replies or not."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def as_bytes(value: Any) -> bytes:
     """A packed string from a reply, whether the client decodes replies or not."""
     if isinstance(value, bytes):

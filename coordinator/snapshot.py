@@ -13,6 +13,7 @@ from coordinator.packed import (
     LIVE_BYTES,
     STATE_BYTES,
     as_bytes,
+    as_text,
     changed_slots,
     unpack_live,
     unpack_state,
@@ -94,7 +95,7 @@ class PoolCache:
         self, run_id: Any, spec_gen: Any, now_ms: Any, state: Any, live: Any = None
     ) -> None:
         """Merge a read_state reply or a reserve reply's view."""
-        run = _text(run_id)
+        run = as_text(run_id)
         if run != self.run_id:
             self.reset(run)
         self.seen_spec_gen = int(spec_gen)
@@ -125,9 +126,9 @@ class PoolCache:
         seen: set[str] = set()
         for k in range(0, len(entries), 5):
             iid, raw, epoch, max_slots, slot = entries[k : k + 5]
-            iid = _text(iid)
+            iid = as_text(iid)
             seen.add(iid)
-            spec = None if raw is None or raw is False else self._parse(iid, _text(raw))
+            spec = None if raw is None or raw is False else self._parse(iid, as_text(raw))
             if spec is None:
                 self._drop(iid)
                 continue
@@ -214,7 +215,3 @@ class PoolCache:
         if self._stale:
             return float("inf")
         return (time.monotonic() - self.refreshed_mono) * 1000
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
