@@ -375,29 +375,38 @@ def _engine_prefill_free_at(engine: EngineModel) -> float:
     return end + sum(engine.timing.prefill_ms(s.prompt_tokens) for s in engine.waiting)
 
 
-async def test_rechain_after_a_queued_release_keeps_the_progress_made(
-    make_coordinator: MakeCoordinator,
-) -> None:
-    """A 300 ms prefill runs, a 100 ms one waits and is released: the cursor must say
-    what the engine model says (the first prefill's remaining time), not now + 300."""
-    c = await make_coordinator("n1")
+async def _rechain_against_the_engine(
+    c: Coordinator, progress_ms: int, release_first: bool
+) -> tuple[float, float]:
+    """A 300 ms prefill runs and a 100 ms one waits; after `progress_ms` one of them is
+    released. Returns (the cursor the scripts predict, the engine model's) from t0."""
     await c.register_instance(spec(0, prefill_ms_per_token=1.0, prefill_overhead_ms=0.0))
     first = await c.reserve(300, 10)
     queued = await c.reserve(100, 10)
     records = await live_reservations(c)
     t0 = records[first.rid]["created_ms"]
-    await wait_for(
-        lambda: _elapsed(c, t0, 120), what="the first prefill to make progress"
-    )  # progress made, so the formulas differ by >= 120 ms
-    await c.release(queued.rid)
+    await wait_for(lambda: _elapsed(c, t0, progress_ms), what="the first prefill to make progress")
+    released = first if release_first else queued
+    await c.release(released.rid)
     snap = await c.snapshot()
     predicted_free_at = snap.now_ms + (snap.by_id()["i0"].prefill_free_in_ms or 0)
     engine = EngineModel(EngineTiming(prefill_ms_per_token=1.0, prefill_overhead_ms=0.0))
     engine.submit(first.rid, 300, 10, 0.0)
     engine.submit(queued.rid, 100, 10, float(records[queued.rid]["created_ms"] - t0))
     engine.advance(float(snap.now_ms - t0))
-    assert engine.cancel(queued.rid)
-    assert predicted_free_at - t0 == pytest.approx(_engine_prefill_free_at(engine), abs=1)
+    assert engine.cancel(released.rid)
+    return predicted_free_at - t0, _engine_prefill_free_at(engine)
+
+
+async def test_rechain_after_a_queued_release_keeps_the_progress_made(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """A 300 ms prefill runs, a 100 ms one waits and is released: the cursor must say
+    what the engine model says (the first prefill's remaining time), not now + 300."""
+    c = await make_coordinator("n1")
+    # Progress made, so the old and new formulas differ by >= 120 ms.
+    predicted, engine = await _rechain_against_the_engine(c, 120, release_first=False)
+    assert predicted == pytest.approx(engine, abs=1)
     await assert_counters_match_reservations(c)
 
 
@@ -406,21 +415,8 @@ async def test_rechain_after_releasing_the_prefill_in_progress(
 ) -> None:
     """The engine finishes a cancelled prefill anyway: the queue still waits for it."""
     c = await make_coordinator("n1")
-    await c.register_instance(spec(0, prefill_ms_per_token=1.0, prefill_overhead_ms=0.0))
-    first = await c.reserve(300, 10)
-    queued = await c.reserve(100, 10)
-    records = await live_reservations(c)
-    t0 = records[first.rid]["created_ms"]
-    await wait_for(lambda: _elapsed(c, t0, 50), what="the first prefill to make progress")
-    await c.release(first.rid)
-    snap = await c.snapshot()
-    predicted_free_at = snap.now_ms + (snap.by_id()["i0"].prefill_free_in_ms or 0)
-    engine = EngineModel(EngineTiming(prefill_ms_per_token=1.0, prefill_overhead_ms=0.0))
-    engine.submit(first.rid, 300, 10, 0.0)
-    engine.submit(queued.rid, 100, 10, float(records[queued.rid]["created_ms"] - t0))
-    engine.advance(float(snap.now_ms - t0))
-    assert engine.cancel(first.rid)
-    assert predicted_free_at - t0 == pytest.approx(_engine_prefill_free_at(engine), abs=1)
+    predicted, engine = await _rechain_against_the_engine(c, 50, release_first=True)
+    assert predicted == pytest.approx(engine, abs=1)
 
 
 async def _elapsed(c: Coordinator, t0: int, ms: int) -> bool:
