@@ -93,6 +93,7 @@ def test_the_dashboard_covers_the_issue_panels(exported: dict[str, frozenset[str
         "proxy_instance_inflight",  # per-instance pressure
         "proxy_instance_predicted_backlog_ms",
         "proxy_ttft_seconds_bucket",  # TTFT
+        "proxy_ttft_prediction_relative_error_bucket",  # prediction error
         "proxy_decision_seconds_count",  # decisions per second
         "proxy_decision_seconds_bucket",  # decision latency
         "proxy_coordination_degraded",  # degraded time
