@@ -404,7 +404,7 @@ class Coordinator:
                     self.stats.pool_losses += 1
                 self._enter_degraded(f"redis lost the pool (run_id {self._cache.run_id} -> {run})")
             return False
-        self._cache.apply_view(*view[:5])
+        self._cache.apply_view(*view)
         return True
 
     async def _read_specs(
@@ -576,6 +576,7 @@ class Coordinator:
                 int(s.enforce_max_slots),
                 s.instance_ttl_ms,
                 0 if self._leased else s.lease_ms,
+                self._cache.view_token,
                 len(candidates),
             ]
             for c in candidates:
@@ -757,7 +758,7 @@ class Coordinator:
             reply = await self._call("mark_first_token", [rid])
         except CoordinationUnavailableError:
             return res is not None
-        return str(reply[0]) == "ok"
+        return self._applied(reply)
 
     async def release(self, rid: str) -> bool:
         """End a reservation; a second release (or an unknown rid) changes nothing."""
@@ -776,7 +777,13 @@ class Coordinator:
             if res is None or res.in_redis:
                 self._pending_releases.add(rid)
             return res is not None
-        return str(reply[0]) == "ok"
+        return self._applied(reply)
+
+    def _applied(self, reply: list[Any]) -> bool:
+        """Whether a transition happened; its change of `state` goes into the view."""
+        if len(reply) == 4:
+            self._cache.apply_patch(reply[1], reply[2], reply[3])
+        return as_text(reply[0]) == "ok"
 
     # ------------------------------------------------------------------ leases
 
@@ -917,7 +924,7 @@ class Coordinator:
         # Read the pool into a new view and switch at once: degraded selection keeps
         # using the old rows until then (the reads in between may take many steps).
         fresh = PoolCache()
-        fresh.apply_view(*(await direct("read_state", [1]))[:5])
+        fresh.apply_view(*(await direct("read_state", [1])))
         if fresh.specs_behind:
             await self._read_specs(direct, fresh)
         self._cache.take(fresh)

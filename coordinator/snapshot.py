@@ -51,8 +51,10 @@ class PoolCache:
     """One node's view of a pool: specs by id, and the packed records by slot.
 
     Specs are read only when the pool's spec_gen moves (read_specs); the packed
-    `state` comes with every reserve reply and read_state, `live` at a bounded rate.
-    A row is rebuilt only when its record bytes changed.
+    `state` comes whole with read_state and with a reserve reply to a node whose
+    view is behind; a node whose view is current (its `state_ver` is the pool's) gets
+    only the records that reserve, mark_first_token and release change. `live` is
+    read at a bounded rate. A row is rebuilt only when its record bytes changed.
     """
 
     run_id: str = ""
@@ -65,12 +67,18 @@ class PoolCache:
     entries: dict[str, SpecEntry] = field(default_factory=dict)
     slot_ids: dict[int, str] = field(default_factory=dict)
     state: bytes = b""
+    state_ver: int = -1  # the pool's state_ver that `state` shows (-1: none read yet)
     live: bytes = b""
     rows_applied: int = 0  # rows rebuilt since start (for benchmarks)
     dirty: set[str] = field(default_factory=set)  # ids changed since the ranker last synced
     membership: int = 0  # bumps whenever an id is added or removed
     _stale: bool = False
     _specs: dict[str, InstanceSpec] = field(default_factory=dict)  # parsed, by JSON text
+
+    @property
+    def view_token(self) -> str:
+        """What reserve is told of this view: '<run_id>:<state_ver>', or '' for none."""
+        return f"{self.run_id}:{self.state_ver}" if self.state_ver >= 0 else ""
 
     @property
     def specs_behind(self) -> bool:
@@ -83,6 +91,7 @@ class PoolCache:
         self.entries.clear()
         self.slot_ids.clear()
         self.state = self.live = b""
+        self.state_ver = -1
         self.live_mono = -1e18  # liveness must be read again
         self.membership += 1
         self.run_id = run_id
@@ -92,9 +101,21 @@ class PoolCache:
         self.now_ms = 0
 
     def apply_view(
-        self, run_id: Any, spec_gen: Any, now_ms: Any, state: Any, live: Any = None
+        self,
+        run_id: Any,
+        spec_gen: Any,
+        now_ms: Any,
+        state: Any,
+        live: Any = None,
+        state_ver: Any = -1,
+        slot: Any = -1,
+        record: Any = None,
     ) -> None:
-        """Merge a read_state reply or a reserve reply's view."""
+        """Merge a read_state reply or a reserve reply's view.
+
+        A reserve reply to a current view has no `state` (None or False): it carries
+        the one record that reserve changed (`slot`, `record`; slot -1: none).
+        """
         run = as_text(run_id)
         if run != self.run_id:
             self.reset(run)
@@ -103,20 +124,46 @@ class PoolCache:
         self.refreshed_mono = time.monotonic()
         self._stale = False
         touched: set[int] = set()
-        new_state = as_bytes(state)
-        if new_state != self.state:
-            touched.update(changed_slots(self.state, new_state, STATE_BYTES))
-            self.state = new_state
+        if state is None or state is False:
+            if int(slot) >= 0:
+                self.apply_patch(state_ver, slot, record)
+        else:
+            new_state = as_bytes(state)
+            if new_state != self.state:
+                touched.update(changed_slots(self.state, new_state, STATE_BYTES))
+                self.state = new_state
+            self.state_ver = int(state_ver)
         if live is not None and live is not False:
             self.live_mono = self.refreshed_mono
             new_live = as_bytes(live)
             if new_live != self.live:
                 touched.update(changed_slots(self.live, new_live, LIVE_BYTES))
                 self.live = new_live
-        for slot in touched:
-            iid = self.slot_ids.get(slot)
+        for slot_index in touched:
+            iid = self.slot_ids.get(slot_index)
             if iid is not None:
                 self._build(iid)
+
+    def apply_patch(self, state_ver: Any, slot: Any, record: Any) -> None:
+        """Apply one script's change of `state` when this view is at the version before it.
+
+        Otherwise (a peer or a concurrent call changed `state` in between) the patch
+        is dropped: the view stays at its version, and the next reserve brings it all.
+        """
+        slot, new = int(slot), as_bytes(record)
+        offset = slot * STATE_BYTES
+        if (
+            int(state_ver) != self.state_ver + 1
+            or self.state_ver < 0
+            or len(new) != STATE_BYTES
+            or not 0 <= offset <= len(self.state) - STATE_BYTES
+        ):
+            return
+        self.state = self.state[:offset] + new + self.state[offset + STATE_BYTES :]
+        self.state_ver += 1
+        iid = self.slot_ids.get(slot)
+        if iid is not None:
+            self._build(iid)
 
     def apply_specs(self, entries: list[Any], *, full: bool = False) -> None:
         """Merge read_specs entries {id, spec|false, epoch, max_slots, slot}...

@@ -43,10 +43,9 @@ if raw then
     redis.call('HSET', K_RES, rid, cjson.encode(rec))
     redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(at, rec.epoch, rec.end_at_ms, rid))
     if current then
-      if num(K_PENDING, at) > 0 then redis.call('HINCRBY', K_PENDING, at, -1) end
+      add(K_PENDING, at, -1)
       redis.call('HINCRBY', K_DECODE, at, 1)
-      redis.call('HINCRBY', K_PENDING_MS, at, 0 - rec.prefill_ms)  -- never '-0'
-      rechain_after_first_token(at, now)
+      rechain_after_first_token(at, now, add(K_PENDING_MS, at, 0 - rec.prefill_ms))
       sync_state(at)
     end
     return {'advanced', at, rec.epoch}

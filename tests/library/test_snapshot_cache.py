@@ -116,6 +116,71 @@ async def test_reserve_replies_carry_the_view(make_coordinator: MakeCoordinator)
     assert a._cache.rows[res.instance_id].inflight == 1 + (res.instance_id == first.instance_id)
 
 
+def spy_replies(c: Coordinator) -> list[tuple[str, Any]]:
+    """Record every script reply a node gets from now on, with the script's name."""
+    replies: list[tuple[str, Any]] = []
+    real = c._direct_call
+
+    async def spied(name: str, args: list[Any], extra: tuple[str | bytes, ...] = ()) -> Any:
+        reply = await real(name, args, extra)
+        replies.append((name, reply))
+        return reply
+
+    c._direct_call = spied  # type: ignore[method-assign]
+    return replies
+
+
+async def assert_state_is_redis(c: Coordinator) -> None:
+    """The node's packed state and its version are exactly what Redis holds."""
+    state = await c.redis.get(c.keys.column("state"))
+    ver = await c.redis.hget(c.keys.column("meta"), "state_ver")
+    assert c._cache.state == state.encode("latin-1")
+    assert c._cache.state_ver == int(ver)
+
+
+async def test_a_current_view_gets_only_the_changed_records(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    a, b = await two_nodes(make_coordinator)
+    await a.refresh()
+    replies = spy_replies(a)
+    for _ in range(3):
+        res = await a.reserve(100, 10)
+        await assert_state_is_redis(a)
+        await a.mark_first_token(res.rid)
+        await assert_state_is_redis(a)
+        await a.release(res.rid)
+        await assert_state_is_redis(a)
+    views = [reply[-1] for name, reply in replies if name == "reserve"]
+    assert [view[3] for view in views] == [None] * 3, "no whole state for a current view"
+    assert all(len(reply) == 4 for name, reply in replies if name != "reserve")
+
+    await b.release((await b.reserve(100, 10)).rid)  # a peer moves the pool on
+    held = await a.reserve(100, 10)
+    assert replies[-1][1][-1][3] is not None, "a view behind gets the whole state"
+    await assert_state_is_redis(a)
+    await a.release(held.rid)
+    await assert_view_is_current(a, make_coordinator)
+
+
+async def test_a_patch_out_of_order_is_dropped(make_coordinator: MakeCoordinator) -> None:
+    a, b = await two_nodes(make_coordinator)
+    first, second = await b.reserve(100, 10), await b.reserve(100, 10)
+    await a.refresh()
+    replies = spy_replies(b)
+    await b.release(first.rid)
+    await b.release(second.rid)
+    (_, one), (_, two) = replies
+    cache = a._cache
+    ver, state = cache.state_ver, cache.state
+    cache.apply_patch(*two[1:])  # the later change first: a's view is not at its base
+    assert (cache.state_ver, cache.state) == (ver, state)
+    cache.apply_patch(*one[1:])
+    cache.apply_patch(*two[1:])
+    assert cache.state_ver == ver + 2
+    await assert_state_is_redis(a)
+
+
 async def test_unregistered_slot_is_reused_and_read_right(
     make_coordinator: MakeCoordinator,
 ) -> None:
