@@ -92,6 +92,19 @@ local function lex_member(id, epoch, end_at, rid)
     .. '|' .. rid
 end
 
+-- A reservation record as stored: JSON (cjson.decode reads it), formatted directly
+-- at half the cost of cjson.encode. Ids are validated ids and phase is
+-- 'prefill' or 'decode', so nothing needs escaping.
+local RECORD_JSON = '{"instance":"%s","epoch":%d,"node":"%s","phase":"%s",'
+  .. '"prompt_tokens":%d,"expected_output_tokens":%d,"prefill_ms":%d,"decode_ms":%d,'
+  .. '"created_ms":%d,"first_token_at_ms":%d,"end_at_ms":%d,"predicted_ttft_ms":%d}'
+
+local function encode_record(r)
+  return string.format(RECORD_JSON, r.instance, r.epoch, r.node, r.phase, r.prompt_tokens,
+    r.expected_output_tokens, r.prefill_ms, r.decode_ms, r.created_ms, r.first_token_at_ms,
+    r.end_at_ms, r.predicted_ttft_ms)
+end
+
 local function epoch_range(id, epoch)
   local stem = id .. '#' .. string.format('%010d', epoch)
   return '[' .. stem .. '|', '(' .. stem .. '}'

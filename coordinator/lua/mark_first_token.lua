@@ -17,7 +17,7 @@ redis.call('ZREM', K_BY_INSTANCE, lex_member(id, rec.epoch, rec.end_at_ms, ARGV[
 rec.phase = 'decode'
 rec.first_token_at_ms = now
 rec.end_at_ms = now + rec.decode_ms
-redis.call('HSET', K_RES, ARGV[1], cjson.encode(rec))
+redis.call('HSET', K_RES, ARGV[1], encode_record(rec))
 redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, rec.epoch, rec.end_at_ms, ARGV[1]))
 if tonumber(redis.call('HGET', K_EPOCH, id) or '-1') ~= rec.epoch then return {'ok'} end
 local pending = add(K_PENDING, id, -1)

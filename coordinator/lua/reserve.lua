@@ -20,11 +20,15 @@
 --       | {'stale', view}            every candidate got busier since it was observed
 --       | {'full', next_slot_in_ms, view}  every alive candidate is at max_slots
 --       | {'none', view}             no candidate is registered and alive
---   view = {run_id, spec_gen, now_ms, state|false, false, state_ver, slot, record}:
---   the pool's packed state after this call (read_state's reply without liveness),
---   so the next decision starts fresh. When ARGV[9] names the pool's state before
---   this call, state is false and only this call's change comes: `record` at `slot`
---   (slot -1: nothing changed); the caller's view is then at state_ver.
+--   view = {run_id, spec_gen, now_ms, state|false, false, state_ver, slot, record}
+--   (read_state's reply without liveness, plus one record):
+--   - 'ok': state is false; `record` is the claimed instance's new record at `slot`,
+--     which took `state` to state_ver (the caller's view reaches state_ver only
+--     when it was at state_ver - 1: a view behind catches up by itself, at a rate
+--     the caller bounds, not in every reply);
+--   - any other status: the whole `state` at state_ver, so the caller decides again
+--     on fresh rows; or false (slot -1) when ARGV[9] names the pool's state_ver,
+--     since the caller holds it already
 local rid, node = ARGV[1], ARGV[2]
 if not valid_id(rid) then return fail('bad_arg', 'rid') end
 if not valid_id(node) then return fail('bad_arg', 'node') end
@@ -48,8 +52,9 @@ for i = 1, n do
     prefill_ms = int_arg(ARGV[base + 2], MAX_PREDICTED_MS),
     decode_ms = int_arg(ARGV[base + 3], MAX_PREDICTED_MS),
     inflight = int_arg(ARGV[base + 4]), pending = int_arg(ARGV[base + 5])}
-  if not valid_id(c.id) or c.prefill_ms == nil or c.decode_ms == nil
-      or c.inflight == nil or c.pending == nil then
+  -- The id needs no pattern check: one that is not registered is never alive, so
+  -- never chosen or written.
+  if c.prefill_ms == nil or c.decode_ms == nil or c.inflight == nil or c.pending == nil then
     return fail('bad_arg', 'candidate ' .. i)
   end
   candidates[i] = c
@@ -61,12 +66,9 @@ local run = meta[1] or run_id(now)
 local spec_gen, state_ver = tonumber(meta[2] or '0'), tonumber(meta[3] or '0')
 local current = ARGV[9] == run .. ':' .. state_ver
 local function view(patch)
-  if not current then
-    return {run, spec_gen, now, redis.call('GET', K_STATE) or '', false,
-      patch and patch[1] or state_ver, -1, ''}
-  end
-  if not patch then return {run, spec_gen, now, false, false, state_ver, -1, ''} end
-  return {run, spec_gen, now, false, false, patch[1], patch[2], patch[3]}
+  if patch then return {run, spec_gen, now, false, false, patch[1], patch[2], patch[3]} end
+  if current then return {run, spec_gen, now, false, false, state_ver, -1, ''} end
+  return {run, spec_gen, now, redis.call('GET', K_STATE) or '', false, state_ver, -1, ''}
 end
 -- Reservations are written only under a live lease: the reaper finds a node through
 -- its lease, so a reservation without one would never go away.
@@ -132,7 +134,7 @@ redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', first_token_at))
 local inflight = redis.call('HINCRBY', K_INFLIGHT, id, 1)
 local pending = redis.call('HINCRBY', K_PENDING, id, 1)
 redis.call('HINCRBY', K_PENDING_MS, id, chosen.prefill_ms)
-redis.call('HSET', K_RES, rid, cjson.encode({instance = id, epoch = epoch, node = node,
+redis.call('HSET', K_RES, rid, encode_record({instance = id, epoch = epoch, node = node,
   phase = 'prefill', prompt_tokens = prompt, expected_output_tokens = expected,
   prefill_ms = chosen.prefill_ms, decode_ms = chosen.decode_ms, created_ms = now,
   first_token_at_ms = first_token_at, end_at_ms = end_at, predicted_ttft_ms = ttft}))

@@ -40,7 +40,7 @@ if raw then
   if rec.phase == 'prefill' and phase == 'decode' then
     redis.call('ZREM', K_BY_INSTANCE, lex_member(at, rec.epoch, rec.end_at_ms, rid))
     rec.phase, rec.first_token_at_ms, rec.end_at_ms = 'decode', now, now + rec.decode_ms
-    redis.call('HSET', K_RES, rid, cjson.encode(rec))
+    redis.call('HSET', K_RES, rid, encode_record(rec))
     redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(at, rec.epoch, rec.end_at_ms, rid))
     if current then
       add(K_PENDING, at, -1)
@@ -71,7 +71,7 @@ else
   rec.end_at_ms = now + decode_ms
   redis.call('HINCRBY', K_DECODE, id, 1)
 end
-redis.call('HSET', K_RES, rid, cjson.encode(rec))
+redis.call('HSET', K_RES, rid, encode_record(rec))
 redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, epoch, rec.end_at_ms, rid))
 redis.call('SADD', KEYS[22], rid)
 sync_state(id)

@@ -105,15 +105,19 @@ async def test_specs_are_read_only_when_they_change(make_coordinator: MakeCoordi
     await assert_view_is_current(a, make_coordinator)
 
 
-async def test_reserve_replies_carry_the_view(make_coordinator: MakeCoordinator) -> None:
+async def test_a_reservation_reply_carries_its_own_change(
+    make_coordinator: MakeCoordinator,
+) -> None:
     a, b = await two_nodes(make_coordinator)
     await a.refresh()
     calls = count_calls(a)
     first = await b.reserve(100, 10)
-    res = await a.reserve(100, 10)
+    res = await a.reserve(100, 10, exclude=[first.instance_id])
     assert calls == {"reserve": 1}, "a fresh view needs no separate read"
+    assert a._cache.rows[res.instance_id].inflight == 1, "its own claim shows at once"
+    assert a._cache.rows[first.instance_id].inflight == 0, "a peer's: at the next whole read"
+    await a.refresh()
     assert a._cache.rows[first.instance_id].inflight == 1
-    assert a._cache.rows[res.instance_id].inflight == 1 + (res.instance_id == first.instance_id)
 
 
 def spy_replies(c: Coordinator) -> list[tuple[str, Any]]:
@@ -155,15 +159,21 @@ async def test_a_current_view_gets_only_the_changed_records(
     assert [view[3] for view in views] == [None] * 3, "no whole state for a current view"
     assert all(len(reply) == 4 for name, reply in replies if name != "reserve")
 
-    await b.release((await b.reserve(100, 10)).rid)  # a peer moves the pool on
+    # Peers take every instance: each of a's candidates is busier than a saw it.
+    taken = [await b.reserve(100, 10) for _ in range(POOL_SIZE)]
+    assert {r.instance_id for r in taken} == set(a._cache.rows)
     held = await a.reserve(100, 10)
-    assert replies[-1][1][-1][3] is not None, "a view behind gets the whole state"
+    statuses = [(reply[0], reply[-1][3] is not None) for name, reply in replies[-2:]]
+    assert statuses == [("stale", True), ("ok", False)], "the retry decides on the whole state"
     await assert_state_is_redis(a)
-    await a.release(held.rid)
+    for res in [*taken, held]:
+        await b.release(res.rid)
     await assert_view_is_current(a, make_coordinator)
 
 
-async def test_a_patch_out_of_order_is_dropped(make_coordinator: MakeCoordinator) -> None:
+async def test_a_record_ahead_of_the_view_waits_for_the_one_before(
+    make_coordinator: MakeCoordinator,
+) -> None:
     a, b = await two_nodes(make_coordinator)
     first, second = await b.reserve(100, 10), await b.reserve(100, 10)
     await a.refresh()
@@ -173,11 +183,16 @@ async def test_a_patch_out_of_order_is_dropped(make_coordinator: MakeCoordinator
     (_, one), (_, two) = replies
     cache = a._cache
     ver, state = cache.state_ver, cache.state
-    cache.apply_patch(*two[1:])  # the later change first: a's view is not at its base
-    assert (cache.state_ver, cache.state) == (ver, state)
+    slot = int(two[2])
+    cache.apply_patch(*two[1:])  # the later change first: held ahead of the view
+    assert cache.state_ver == ver
+    assert cache.state[slot * STATE_BYTES : (slot + 1) * STATE_BYTES] == two[3].encode()
+    cache.apply_view(cache.run_id, cache.seen_spec_gen, cache.now_ms, state, None, ver)
+    assert cache.state[slot * STATE_BYTES : (slot + 1) * STATE_BYTES] == two[3].encode(), (
+        "a whole view older than a record held ahead keeps that record"
+    )
     cache.apply_patch(*one[1:])
-    cache.apply_patch(*two[1:])
-    assert cache.state_ver == ver + 2
+    assert cache.state_ver == ver + 2, "the record before it moves the view past both"
     await assert_state_is_redis(a)
 
 
