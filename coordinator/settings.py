@@ -66,7 +66,7 @@ class Settings:
     heartbeat_interval_ms: int = 3_000  # what registration answers tell engines to use
     hint_ttl_ms: int = 5_000  # an engine hint older than this counts as missing
     lease_ms: int = 10_000  # node lease; renewed every lease/3, reaped after expiry
-    top_k: int = 4  # ranked candidates sent to the reserve script
+    top_k: int = 8  # ranked candidates sent to the reserve script (fewer retries than 4)
     reserve_retries: int = 3  # re-scores after all candidates changed; then forced
     enforce_max_slots: bool = False  # refuse to exceed an instance's max_slots
     full_policy: str = "reject"  # when all are full: reject (429) or queue
