@@ -8,8 +8,7 @@
 if ARGV[1] ~= '0' and ARGV[1] ~= '1' then return fail('bad_arg', 'live must be 0 or 1') end
 local now = now_ms()
 local run = run_id(now)
-local meta = redis.call('HMGET', K_META, 'spec_gen', 'state_ver')
 local live = false
 if ARGV[1] == '1' then live = redis.call('GET', K_LIVE) or '' end
-return {run, tonumber(meta[1] or '0'), now, redis.call('GET', K_STATE) or '', live,
-  tonumber(meta[2] or '0')}
+return {run, num(K_META, 'spec_gen'), now, redis.call('GET', K_STATE) or '', live,
+  num(K_META, 'state_ver')}

@@ -61,9 +61,8 @@ for i = 1, n do
 end
 
 local now = now_ms()
-local meta = redis.call('HMGET', K_META, 'run_id', 'spec_gen', 'state_ver')
-local run = meta[1] or run_id(now)
-local spec_gen, state_ver = tonumber(meta[2] or '0'), tonumber(meta[3] or '0')
+local run = run_id(now)
+local spec_gen, state_ver = num(K_META, 'spec_gen'), num(K_META, 'state_ver')
 local current = ARGV[9] == run .. ':' .. state_ver
 local function view(patch)
   if patch then return {run, spec_gen, now, false, false, patch[1], patch[2], patch[3]} end
