@@ -608,6 +608,10 @@ class Coordinator:
                 raise CoordinationUnavailableError("lease expired")
             if not current:
                 raise CoordinationUnavailableError("redis lost the pool: re-asserting")
+            if self._cache.specs_behind:
+                # Instances came or went since the view was read (every candidate may
+                # be gone): rank again on the instances Redis has now.
+                await self._read_specs(self._call)
             if status == "full":
                 # The reply's view may show room the ranking missed: rank again.
                 if attempt == s.reserve_retries or not self._room_left(skip):

@@ -291,22 +291,22 @@ local function drop_reservation(rid, rec, now, touched)
   if tonumber(redis.call('HGET', K_EPOCH, id) or '-1') ~= rec.epoch then
     return nil  -- the instance restarted or left: its counters were reset then
   end
-  add(K_INFLIGHT, id, -1)
+  -- inflight counts both phases: the phase not released is the rest of it.
+  local inflight = add(K_INFLIGHT, id, -1)
   local pending, decode, free
   if rec.phase == 'prefill' then
     pending = add(K_PENDING, id, -1)
-    decode = num(K_DECODE, id)
+    decode = inflight - pending
     free = rechain_after_cancel(id, rec, now, add(K_PENDING_MS, id, 0 - rec.prefill_ms))
   else
     decode = add(K_DECODE, id, -1)
-    pending = num(K_PENDING, id)
-    free = num(K_PREFILL_FREE, id)
+    pending = inflight - decode
   end
   if touched then
     touched[id] = true
     return nil
   end
-  return publish_state(id, rec.epoch, pending, decode, free)
+  return publish_state(id, rec.epoch, pending, decode, free or num(K_PREFILL_FREE, id))
 end
 
 local function sync_touched(touched)

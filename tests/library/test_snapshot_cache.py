@@ -329,3 +329,20 @@ async def test_a_reservation_goes_to_the_url_redis_has_now(
     await b.register_instance(spec(0, url="http://127.0.0.1:9999", epoch=2))
     res = await a.reserve(10, 10)
     assert (res.epoch, res.url) == (2, "http://127.0.0.1:9999")
+
+
+async def test_a_node_whose_candidates_all_left_reserves_on_the_newcomer(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    # Found by the stateful invariant test: the 'none' reply says the specs moved on,
+    # and the retry must rank the instances Redis has now, not the cached ones.
+    a = await make_coordinator("node-a")
+    b = await make_coordinator("node-b")
+    await b.register_instance(spec("old"))
+    first = await a.reserve(10, 10)
+    await b.register_instance(spec("new"))
+    await b.unregister_instance("old")
+    res = await a.reserve(10, 10, rid=first.rid)
+    assert res.instance_id == "new"
+    await a.release(res.rid)
+    await assert_counters_match_reservations(a)
