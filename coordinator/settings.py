@@ -73,9 +73,10 @@ class Settings:
     queue_timeout_ms: int = 5_000  # longest wait for a slot under the queue policy
     redis_timeout_ms: int = 100  # socket timeout of every Redis call
     recovery_interval_ms: int = 500  # how often a degraded node probes Redis
-    # Every reserve reply carries the pool's packed state, so a busy node decides on
-    # the view its last reserve returned; reserve re-checks the candidates' load, so
-    # an old view can cost a retry but never herding. A node idle longer re-reads.
+    # Replies keep a node's view current while only it changes the pool; with peers
+    # it falls behind until a stale answer or this age brings the whole state.
+    # reserve re-checks the candidates' load, so an old view can cost a retry but
+    # never herding.
     snapshot_max_age_ms: int = 1_000  # 0 = read the pool state before every decision
     live_refresh_ms: int = 2_000  # liveness and hints are re-read this often (<= ttl/4)
     strategy: str = "least_load"  # default selection strategy
