@@ -62,11 +62,13 @@ end
 
 local now = now_ms()
 local run = run_id(now)
-local spec_gen, state_ver = num(K_META, 'spec_gen'), num(K_META, 'state_ver')
-local current = ARGV[9] == run .. ':' .. state_ver
+local spec_gen = num(K_META, 'spec_gen')
 local function view(patch)
   if patch then return {run, spec_gen, now, false, false, patch[1], patch[2], patch[3]} end
-  if current then return {run, spec_gen, now, false, false, state_ver, -1, ''} end
+  local state_ver = num(K_META, 'state_ver')
+  if ARGV[9] == run .. ':' .. state_ver then  -- the caller holds this state already
+    return {run, spec_gen, now, false, false, state_ver, -1, ''}
+  end
   return {run, spec_gen, now, redis.call('GET', K_STATE) or '', false, state_ver, -1, ''}
 end
 -- Reservations are written only under a live lease: the reaper finds a node through
@@ -99,9 +101,9 @@ for _, c in ipairs(candidates) do
   local last_seen = redis.call('HGET', K_LAST_SEEN, c.id)
   if last_seen and now - tonumber(last_seen) <= ttl then
     saw_alive = true
-    local max_slots = num(K_MAX_SLOTS, c.id)
     local inflight = num(K_INFLIGHT, c.id)
-    if enforce and max_slots > 0 and inflight >= max_slots then
+    local max_slots = enforce and num(K_MAX_SLOTS, c.id) or 0
+    if max_slots > 0 and inflight >= max_slots then
       saw_full = true
       local e = earliest_end(c.id, num(K_EPOCH, c.id))
       local wait = e > 0 and math.max(0, e - now) or 0
