@@ -60,6 +60,17 @@ FLAT_RATIO = 1.3  # CPU per request, 64 nodes / 1 node, at most
 CPU_TARGET_US = {64: 80.0, 1024: 120.0}  # CPU per request with 1 node, at most
 BYTES_TARGET = 2000  # bytes out per request at 64 instances, any node count
 STALL_MS = 5.0  # no single call above this (SLOWLOG)
+# The same targets as docs/scaling.md reported them before replies carried only the
+# records a call changed (a full run at commit 452dbf7), shown beside this run's.
+BEFORE_COMMIT = "452dbf7"
+BEFORE = {
+    "CPU/request 64 nodes ÷ 1 node, 64 instances": "1.18",
+    "CPU/request 64 nodes ÷ 1 node, 1,024 instances": "0.93",
+    "CPU/request, 1 node, 64 instances": "305 µs",
+    "CPU/request, 1 node, 1,024 instances": "320 µs",
+    "bytes out/request, 64 instances, every node count": "3,943 B at 64 nodes",
+    "stalls": "0 calls; longest 3.74 ms",
+}
 
 SIZES = (64, 1024)
 NODE_COUNTS = (1, 4, 16, 64)
@@ -880,14 +891,19 @@ def yes(met: bool) -> str:
 def tables(r: Results) -> dict[str, list[str]]:
     """The measured tables, as printed and as written into the doc."""
     t: dict[str, list[str]] = {}
-    t["targets"] = ["| target (issue 12) | limit | measured | met? |", "|---|---:|---:|---|"] + [
-        f"| {x['target']} | {x['limit']} | {x['measured']} | {yes(x['met'])} |" for x in r.targets
+    t["targets"] = [
+        f"| target (issue 12) | limit | before ({BEFORE_COMMIT}) | measured | met? |",
+        "|---|---:|---:|---:|---|",
+    ] + [
+        f"| {x['target']} | {x['limit']} | {BEFORE[x['target']]} | {x['measured']} "
+        f"| {yes(x['met'])} |"
+        for x in r.targets
     ]
     stall_met = all(s["over"] == 0 for s in r.stalls)
     worst = max(r.stalls, key=lambda s: s["max_ms"])
     t["targets"].append(
         f"| no call over {STALL_MS:.0f} ms (SLOWLOG), {r.scale.instances:,} instances / "
-        f"{r.scale.reservations:,} reservations | 0 calls | "
+        f"{r.scale.reservations:,} reservations | 0 calls | {BEFORE['stalls']} | "
         f"{sum(s['over'] for s in r.stalls)} calls; longest {worst['max_ms']:.2f} ms "
         f"({worst['worst']}, {worst['op'].split('. ')[0]}) | {yes(stall_met)} |"
     )
@@ -1060,7 +1076,10 @@ def reasons(r: Results) -> list[str]:
             line += (
                 f" Of the operation's {x['evalsha_ms']:,.0f} ms inside scripts, "
                 f"{x['inner_share']:.0%} was the Redis commands they ran (commandstats); the rest "
-                "is Lua itself."
+                f"is Lua itself. Its calls averaged {x['evalsha_ms'] / x['calls']:.2f} ms: a "
+                "call far above that did the same bounded work, and SLOWLOG times the wall "
+                "clock, so it includes time the server waited for a core on this shared "
+                f"machine (load average {r.load[0]:.1f} before the run, {r.load[1]:.1f} after)."
             )
             out.append(line)
         out.append("")
@@ -1147,7 +1166,10 @@ def render(r: Results) -> str:
         "Issue 12 measured the previous design (an incremental snapshot on every reply)",
         "on this machine at 608 / 305 µs of server CPU per request with 1 node and",
         "2,775 / 3,106 µs with 64 nodes (64 / 1,024 instances), and single scripts of",
-        "270 ms to 1.2 s on the 10,000-instance pool. This run, the new design:",
+        "270 ms to 1.2 s on the 10,000-instance pool. The flat design then sent the whole",
+        f"`state` in every reserve reply (`before`: its full run at {BEFORE_COMMIT}, at load",
+        "average 0.4, so compare its µs with care); this run, replies that carry only the",
+        "records a call changed:",
         "",
         *t["targets"],
         "",
