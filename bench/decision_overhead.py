@@ -124,8 +124,9 @@ def render(rows: list[dict[str, Any]], decisions: int, server: str, command: str
         f"`{command} --write-docs` — "
         f"{decisions} decisions per node per case, each node its own process, {server}. "
         f"`max_age` is `snapshot_max_age_ms`: {Settings().snapshot_max_age_ms} (default) "
-        "decides on the packed pool state the node's previous reserve reply carried "
-        "when it is younger than that; 0 reads it before every decision (two round trips).",
+        "decides on the node's view of the packed pool state (kept by the records its "
+        "replies carry) when it was current that recently; 0 reads it before every decision "
+        "(two round trips).",
         "",
         "| instances | nodes | max_age ms | p50 µs | p99 µs | PING p50 µs | p50 / PING | "
         "p50 / p50@16 | Redis calls per request |",

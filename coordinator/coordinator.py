@@ -405,7 +405,7 @@ class Coordinator:
                     self.stats.pool_losses += 1
                 self._enter_degraded(f"redis lost the pool (run_id {self._cache.run_id} -> {run})")
             return False
-        self._cache.apply_view(*view[:5])
+        self._cache.apply_view(*view)
         return True
 
     async def _read_specs(
@@ -584,6 +584,7 @@ class Coordinator:
                 int(s.enforce_max_slots),
                 s.instance_ttl_ms,
                 0 if self._leased else s.lease_ms,
+                self._cache.view_token,
                 len(candidates),
             ]
             for c in candidates:
@@ -615,6 +616,10 @@ class Coordinator:
                 raise CoordinationUnavailableError("lease expired")
             if not current:
                 raise CoordinationUnavailableError("redis lost the pool: re-asserting")
+            if self._cache.specs_behind:
+                # Instances came or went since the view was read (every candidate may
+                # be gone): rank again on the instances Redis has now.
+                await self._read_specs(self._call)
             if status == "full":
                 # The reply's view may show room the ranking missed: rank again.
                 if attempt == s.reserve_retries or not self._room_left(skip):
@@ -779,7 +784,7 @@ class Coordinator:
             reply = await self._call("mark_first_token", [rid])
         except CoordinationUnavailableError:
             return res is not None
-        return str(reply[0]) == "ok"
+        return self._applied(reply)
 
     async def release(self, rid: str) -> bool:
         """End a reservation; a second release (or an unknown rid) changes nothing."""
@@ -798,7 +803,13 @@ class Coordinator:
             if res is None or res.in_redis:
                 self._pending_releases.add(rid)
             return res is not None
-        return str(reply[0]) == "ok"
+        return self._applied(reply)
+
+    def _applied(self, reply: list[Any]) -> bool:
+        """Whether a transition happened; its change of `state` goes into the view."""
+        if len(reply) == 4:
+            self._cache.apply_patch(reply[1], reply[2], reply[3])
+        return as_text(reply[0]) == "ok"
 
     # ------------------------------------------------------------------ leases
 
@@ -939,7 +950,7 @@ class Coordinator:
         # Read the pool into a new view and switch at once: degraded selection keeps
         # using the old rows until then (the reads in between may take many steps).
         fresh = PoolCache()
-        fresh.apply_view(*(await direct("read_state", [1]))[:5])
+        fresh.apply_view(*(await direct("read_state", [1])))
         if fresh.specs_behind:
             await self._read_specs(direct, fresh)
         self._cache.take(fresh)

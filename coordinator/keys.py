@@ -18,7 +18,7 @@ ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")
 # Keys in the order every script receives them as KEYS[1..N]; lua/_lib.lua names the
 # same positions. Each is a hash keyed by instance id unless noted.
 COLUMNS: tuple[str, ...] = (
-    "meta",  # hash: run_id, created_ms, spec_gen (spec change counter), slots (allocated)
+    "meta",  # hash: run_id, created_ms, spec_gen, state_ver (change counters), slots
     "spec_log",  # zset: instance id -> spec_gen of its latest spec/membership change
     "spec",  # JSON InstanceSpec without epoch
     "epoch",  # engine epoch; older reservations are void

@@ -67,16 +67,17 @@ class Settings:
     heartbeat_interval_ms: int = 3_000  # what registration answers tell engines to use
     hint_ttl_ms: int = 5_000  # an engine hint older than this counts as missing
     lease_ms: int = 10_000  # node lease; renewed every lease/3, reaped after expiry
-    top_k: int = 4  # ranked candidates sent to the reserve script
+    top_k: int = 8  # ranked candidates sent to the reserve script (fewer retries than 4)
     reserve_retries: int = 3  # re-scores after all candidates changed; then forced
     enforce_max_slots: bool = False  # refuse to exceed an instance's max_slots
     full_policy: str = "reject"  # when all are full: reject (429) or queue
     queue_timeout_ms: int = 5_000  # longest wait for a slot under the queue policy
     redis_timeout_ms: int = 100  # socket timeout of every Redis call
     recovery_interval_ms: int = 500  # how often a degraded node probes Redis
-    # Every reserve reply carries the pool's packed state, so a busy node decides on
-    # the view its last reserve returned; reserve re-checks the candidates' load, so
-    # an old view can cost a retry but never herding. A node idle longer re-reads.
+    # Replies keep a node's view current while only it changes the pool; with peers
+    # it falls behind until a stale answer or this age brings the whole state.
+    # reserve re-checks the candidates' load, so an old view can cost a retry but
+    # never herding.
     snapshot_max_age_ms: int = 1_000  # 0 = read the pool state before every decision
     live_refresh_ms: int = 2_000  # liveness and hints are re-read this often (<= ttl/4)
     strategy: str = "least_load"  # default selection strategy

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,12 @@ from coordinator.packed import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def _spliced(state: bytes, slot: int, record: bytes) -> bytes:
+    """`state` with the record of `slot` replaced."""
+    offset = slot * STATE_BYTES
+    return state[:offset] + record + state[offset + STATE_BYTES :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,27 +57,40 @@ class SpecEntry:
 class PoolCache:
     """One node's view of a pool: specs by id, and the packed records by slot.
 
-    Specs are read only when the pool's spec_gen moves (read_specs); the packed
-    `state` comes with every reserve reply and read_state, `live` at a bounded rate.
-    A row is rebuilt only when its record bytes changed.
+    Specs are read only when the pool's spec_gen moves (read_specs). The packed
+    `state` comes whole with read_state and with a reserve reply that did not
+    reserve (stale, full, ...) to a view that is behind; reserve, mark_first_token
+    and release answer with the one record they rewrote and the `state_ver` it took
+    the pool to. A record that directly follows the view's version moves the view
+    on; a later one is applied to its slot and kept in `ahead`, so a whole view of
+    an older version never undoes it. `live` is read at a bounded rate. A row is
+    rebuilt only when its record bytes changed.
     """
 
     run_id: str = ""
     spec_gen: int = -1  # spec_gen whose changes are applied (-1: none read yet)
     seen_spec_gen: int = 0  # the newest spec_gen a reply reported
     now_ms: int = 0
-    refreshed_mono: float = 0.0
+    clock_mono: float = 0.0  # when now_ms was read
+    refreshed_mono: float = 0.0  # when the view was last whole and current
     live_mono: float = -1e18  # when `live` was last read
     rows: dict[str, InstanceRow] = field(default_factory=dict)
     entries: dict[str, SpecEntry] = field(default_factory=dict)
     slot_ids: dict[int, str] = field(default_factory=dict)
     state: bytes = b""
+    state_ver: int = -1  # every record of `state` is at least this new (-1: none read)
+    ahead: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # slot: newer record
     live: bytes = b""
     rows_applied: int = 0  # rows rebuilt since start (for benchmarks)
     dirty: set[str] = field(default_factory=set)  # ids changed since the ranker last synced
     membership: int = 0  # bumps whenever an id is added or removed
     _stale: bool = False
     _specs: dict[str, InstanceSpec] = field(default_factory=dict)  # parsed, by JSON text
+
+    @property
+    def view_token(self) -> str:
+        """What reserve is told of this view: '<run_id>:<state_ver>', or '' for none."""
+        return f"{self.run_id}:{self.state_ver}" if self.state_ver >= 0 else ""
 
     @property
     def specs_behind(self) -> bool:
@@ -83,6 +103,8 @@ class PoolCache:
         self.entries.clear()
         self.slot_ids.clear()
         self.state = self.live = b""
+        self.state_ver = -1
+        self.ahead.clear()
         self.live_mono = -1e18  # liveness must be read again
         self.membership += 1
         self.run_id = run_id
@@ -92,28 +114,85 @@ class PoolCache:
         self.now_ms = 0
 
     def apply_view(
-        self, run_id: Any, spec_gen: Any, now_ms: Any, state: Any, live: Any = None
+        self,
+        run_id: Any,
+        spec_gen: Any,
+        now_ms: Any,
+        state: Any,
+        live: Any = None,
+        state_ver: Any = -1,
+        slot: Any = -1,
+        record: Any = None,
     ) -> None:
-        """Merge a read_state reply or a reserve reply's view."""
+        """Merge a read_state reply or a reserve reply's view.
+
+        A reserve reply without `state` (None or False) carries one record
+        (`slot`, `record`: apply_patch), or slot -1 when this view was current.
+        """
         run = as_text(run_id)
         if run != self.run_id:
             self.reset(run)
         self.seen_spec_gen = int(spec_gen)
         self.now_ms = max(self.now_ms, int(now_ms))
-        self.refreshed_mono = time.monotonic()
-        self._stale = False
+        self.clock_mono = time.monotonic()
         touched: set[int] = set()
-        new_state = as_bytes(state)
-        if new_state != self.state:
-            touched.update(changed_slots(self.state, new_state, STATE_BYTES))
-            self.state = new_state
+        if state is not None and state is not False:
+            touched.update(self._take_state(as_bytes(state), int(state_ver)))
+        elif int(slot) >= 0:
+            self.apply_patch(state_ver, slot, record)
+        elif int(state_ver) == self.state_ver:  # the script found this view current
+            self._current()
+            self._stale = False
         if live is not None and live is not False:
-            self.live_mono = self.refreshed_mono
+            self.live_mono = self.clock_mono
             new_live = as_bytes(live)
             if new_live != self.live:
                 touched.update(changed_slots(self.live, new_live, LIVE_BYTES))
                 self.live = new_live
-        for slot in touched:
+        self._rebuild(touched)
+
+    def _take_state(self, state: bytes, version: int) -> list[int]:
+        """Adopt a whole `state` unless this view is newer; returns the changed slots."""
+        if version < self.state_ver:
+            return []  # a late reply: the view has moved past it
+        for slot, (newer, record) in list(self.ahead.items()):
+            if newer > version:
+                state = _spliced(state, slot, record)
+            else:
+                del self.ahead[slot]
+        changed = changed_slots(self.state, state, STATE_BYTES) if state != self.state else []
+        self.state, self.state_ver = state, version
+        self._current()
+        self._stale = False
+        return changed
+
+    def apply_patch(self, state_ver: Any, slot: Any, record: Any) -> None:
+        """Apply one script's rewritten record of `state` (see the class docstring)."""
+        version, slot, new = int(state_ver), int(slot), as_bytes(record)
+        if (
+            self.state_ver < 0
+            or version <= self.state_ver
+            or len(new) != STATE_BYTES
+            or not 0 <= slot * STATE_BYTES <= len(self.state) - STATE_BYTES
+            or self.ahead.get(slot, (-1, b""))[0] >= version
+        ):
+            return
+        self.state = _spliced(self.state, slot, new)
+        self.ahead[slot] = (version, new)
+        while True:  # records held ahead that now follow on
+            follows = [s for s, (v, _) in self.ahead.items() if v == self.state_ver + 1]
+            if not follows:
+                break
+            del self.ahead[follows[0]]
+            self.state_ver += 1
+            self._current()
+        self._rebuild([slot])
+
+    def _current(self) -> None:
+        self.refreshed_mono = time.monotonic()
+
+    def _rebuild(self, slots: Iterable[int]) -> None:
+        for slot in slots:
             iid = self.slot_ids.get(slot)
             if iid is not None:
                 self._build(iid)
@@ -208,7 +287,7 @@ class PoolCache:
 
     def estimated_now_ms(self) -> int:
         """Redis time now, extrapolated from the last reply with the local monotonic clock."""
-        return self.now_ms + int((time.monotonic() - self.refreshed_mono) * 1000)
+        return self.now_ms + int((time.monotonic() - self.clock_mono) * 1000)
 
     def age_ms(self) -> float:
         """Milliseconds since the last view was applied (infinite once invalidated)."""

@@ -92,6 +92,19 @@ local function lex_member(id, epoch, end_at, rid)
     .. '|' .. rid
 end
 
+-- A reservation record as stored: JSON (cjson.decode reads it), formatted directly
+-- at half the cost of cjson.encode. Ids are validated ids and phase is
+-- 'prefill' or 'decode', so nothing needs escaping.
+local RECORD_JSON = '{"instance":"%s","epoch":%d,"node":"%s","phase":"%s",'
+  .. '"prompt_tokens":%d,"expected_output_tokens":%d,"prefill_ms":%d,"decode_ms":%d,'
+  .. '"created_ms":%d,"first_token_at_ms":%d,"end_at_ms":%d,"predicted_ttft_ms":%d}'
+
+local function encode_record(r)
+  return string.format(RECORD_JSON, r.instance, r.epoch, r.node, r.phase, r.prompt_tokens,
+    r.expected_output_tokens, r.prefill_ms, r.decode_ms, r.created_ms, r.first_token_at_ms,
+    r.end_at_ms, r.predicted_ttft_ms)
+end
+
 local function epoch_range(id, epoch)
   local stem = id .. '#' .. string.format('%010d', epoch)
   return '[' .. stem .. '|', '(' .. stem .. '}'
@@ -101,20 +114,23 @@ end
 -- to it (coordinator/models.py MAX_PREDICTED_MS), so a valid request always fits.
 local MAX_PREDICTED_MS = 86400000
 
--- pending_prefill_ms of an instance, never below 0 (written back clamped).
-local function pending_prefill_ms(id)
-  local pending_ms = num(K_PENDING_MS, id)
-  if pending_ms < 0 then
-    pending_ms = 0
-    redis.call('HSET', K_PENDING_MS, id, '0')
+-- HINCRBY a counter by `by` and return it, never below 0 (written back clamped).
+local function add(key, id, by)
+  local v = redis.call('HINCRBY', key, id, by)
+  if v < 0 then
+    redis.call('HSET', key, id, '0')
+    v = 0
   end
-  return pending_ms
+  return v
 end
 
 -- Re-chain the serialized prefill cursor after a reservation's first token: its
 -- prefill just ended, so the prefills queued behind it start now, one after another.
-local function rechain_after_first_token(id, now)
-  redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', now + pending_prefill_ms(id)))
+-- `pending_ms` is the prefill work still queued. Returns the new cursor.
+local function rechain_after_first_token(id, now, pending_ms)
+  local free = now + pending_ms
+  redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', free))
+  return free
 end
 
 -- Re-chain the cursor after prefill reservation `rec` left before its first token
@@ -123,9 +139,9 @@ end
 --   the chain; the prefill in progress keeps the progress it made, so the cursor
 --   moves back by exactly its prefill_ms;
 -- - its prefill had started: the engine finishes that iteration anyway, so the
---   cursor stays, but never below now + the prefill work still queued.
-local function rechain_after_cancel(id, rec, now)
-  local pending_ms = pending_prefill_ms(id)
+--   cursor stays, but never below now + the prefill work still queued (`pending_ms`).
+-- Returns the new cursor.
+local function rechain_after_cancel(id, rec, now, pending_ms)
   local cursor = num(K_PREFILL_FREE, id)
   local first_token_at = tonumber(rec.first_token_at_ms) or now
   local prefill_ms = tonumber(rec.prefill_ms) or 0
@@ -136,6 +152,7 @@ local function rechain_after_cancel(id, rec, now)
     free = math.max(cursor, now + pending_ms)
   end
   redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', free))
+  return free
 end
 
 -- Whether `node` holds a lease now (its deadline has not passed).
@@ -151,14 +168,51 @@ local function earliest_end(id, epoch)
   return tonumber(string.match(first[1], '|(%d+)|'))
 end
 
--- Rewrite instance `id`'s packed state record from its counters (after any change).
-local function sync_state(id)
+-- `v` (an integer) as 3 or 6 base-128 digits, saturating, negatives as 0: be(v, 3)
+-- and be(v, 6) without a table (they run on every reservation transition).
+local function be3(v)
+  if v < 0 then v = 0 elseif v > 2097151 then v = 2097151 end
+  local c = v % 128
+  v = (v - c) / 128
+  local b = v % 128
+  return string.char((v - b) / 128, b, c)
+end
+
+local function be6(v)
+  if v < 0 then v = 0 elseif v > 4398046511103 then v = 4398046511103 end
+  local f = v % 128
+  v = (v - f) / 128
+  local e = v % 128
+  v = (v - e) / 128
+  local d = v % 128
+  v = (v - d) / 128
+  local c = v % 128
+  v = (v - c) / 128
+  local b = v % 128
+  return string.char((v - b) / 128, b, c, d, e, f)
+end
+
+-- Rewrite slot `slot` of `state`. Every change of `state` goes through here or
+-- free_slot and bumps meta state_ver by one, so a node holding the version before
+-- a change can apply that change's record alone. Returns {state_ver, slot, record}.
+local function write_state(slot, pending, decode, free_at, earliest)
+  local record = be3(pending) .. be3(decode) .. be6(free_at) .. be6(earliest)
+  redis.call('SETRANGE', K_STATE, slot * STATE_BYTES, record)
+  return {redis.call('HINCRBY', K_META, 'state_ver', 1), slot, record}
+end
+
+-- Rewrite instance `id`'s packed state record from the counters the caller just
+-- wrote (no re-read); returns write_state's patch, or nil when `id` has no slot.
+local function publish_state(id, epoch, pending, decode, free_at)
   local slot = redis.call('HGET', K_SLOT, id)
-  if not slot then return end
-  local epoch = num(K_EPOCH, id)
-  redis.call('SETRANGE', K_STATE, tonumber(slot) * STATE_BYTES,
-    be(num(K_PENDING, id), 3) .. be(num(K_DECODE, id), 3)
-    .. be(num(K_PREFILL_FREE, id), 6) .. be(earliest_end(id, epoch), 6))
+  if not slot then return nil end
+  return write_state(tonumber(slot), pending, decode, free_at, earliest_end(id, epoch))
+end
+
+-- Rewrite instance `id`'s packed state record from its stored counters.
+local function sync_state(id)
+  return publish_state(id, num(K_EPOCH, id), num(K_PENDING, id), num(K_DECODE, id),
+    num(K_PREFILL_FREE, id))
 end
 
 -- The hint arguments ARGV[2..4] (engine_running, engine_waiting, queue_depth: a
@@ -221,29 +275,38 @@ local function free_slot(id)
   slot = tonumber(slot)
   redis.call('HDEL', K_SLOT, id)
   redis.call('SETRANGE', K_STATE, slot * STATE_BYTES, string.rep('\0', STATE_BYTES))
+  redis.call('HINCRBY', K_META, 'state_ver', 1)
   redis.call('SETRANGE', K_LIVE, slot * LIVE_BYTES, string.rep('\0', LIVE_BYTES))
   redis.call('ZADD', K_FREE_SLOTS, slot, slot)
 end
 
 -- Remove one reservation and its counters. `rec` is the decoded record. With a
 -- `touched` table, the instance's packed record is left for the caller to rewrite
--- once per instance (sync_touched), not once per reservation.
+-- once per instance (sync_touched), not once per reservation; without one, returns
+-- the state patch (publish_state), or nil when no counter moved.
 local function drop_reservation(rid, rec, now, touched)
   local id = rec.instance
   redis.call('HDEL', K_RES, rid)
   redis.call('ZREM', K_BY_INSTANCE, lex_member(id, rec.epoch, rec.end_at_ms, rid))
   if tonumber(redis.call('HGET', K_EPOCH, id) or '-1') ~= rec.epoch then
-    return  -- the instance restarted or left: its counters were reset then
+    return nil  -- the instance restarted or left: its counters were reset then
   end
-  if num(K_INFLIGHT, id) > 0 then redis.call('HINCRBY', K_INFLIGHT, id, -1) end
+  -- inflight counts both phases: the phase not released is the rest of it.
+  local inflight = add(K_INFLIGHT, id, -1)
+  local pending, decode, free
   if rec.phase == 'prefill' then
-    if num(K_PENDING, id) > 0 then redis.call('HINCRBY', K_PENDING, id, -1) end
-    redis.call('HINCRBY', K_PENDING_MS, id, 0 - rec.prefill_ms)  -- never '-0': Redis rejects it
-    rechain_after_cancel(id, rec, now)
+    pending = add(K_PENDING, id, -1)
+    decode = inflight - pending
+    free = rechain_after_cancel(id, rec, now, add(K_PENDING_MS, id, 0 - rec.prefill_ms))
   else
-    if num(K_DECODE, id) > 0 then redis.call('HINCRBY', K_DECODE, id, -1) end
+    decode = add(K_DECODE, id, -1)
+    pending = inflight - decode
   end
-  if touched then touched[id] = true else sync_state(id) end
+  if touched then
+    touched[id] = true
+    return nil
+  end
+  return publish_state(id, rec.epoch, pending, decode, free or num(K_PREFILL_FREE, id))
 end
 
 local function sync_touched(touched)

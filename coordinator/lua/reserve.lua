@@ -11,7 +11,8 @@
 -- ARGV[8] = lease_ms: 0 when the node believes it holds a lease (it must: a node
 --   whose lease expired may have been reaped and must re-assert first); > 0 when the
 --   node never held one: a missing lease is then created with this length (ms)
--- ARGV[9] = n, the number of candidates; then n groups of
+-- ARGV[9] = the caller's view: '<run_id>:<state_ver>' of the `state` it holds, or ''
+-- ARGV[10] = n, the number of candidates; then n groups of
 --   {instance id, prefill_ms (ms, <= 86400000), decode_ms (ms, <= 86400000),
 --    observed inflight, observed pending_prefill}
 -- returns {'ok'|'dup', instance, epoch, predicted_ttft_ms, prefill_ms, decode_ms, view}
@@ -19,12 +20,15 @@
 --       | {'stale', view}            every candidate got busier since it was observed
 --       | {'full', next_slot_in_ms, view}  every alive candidate is at max_slots
 --       | {'none', view}             no candidate is registered and alive
---   view = {run_id, spec_gen, now_ms, state}: the pool's packed state after this call
---   (what read_state returns without liveness), so the next decision starts fresh
-local function view(now)
-  return {run_id(now), num(K_META, 'spec_gen'), now,
-    redis.call('GET', K_STATE) or ''}
-end
+--   view = {run_id, spec_gen, now_ms, state|false, false, state_ver, slot, record}
+--   (read_state's reply without liveness, plus one record):
+--   - 'ok': state is false; `record` is the claimed instance's new record at `slot`,
+--     which took `state` to state_ver (the caller's view reaches state_ver only
+--     when it was at state_ver - 1: a view behind catches up by itself, at a rate
+--     the caller bounds, not in every reply);
+--   - any other status: the whole `state` at state_ver, so the caller decides again
+--     on fresh rows; or false (slot -1) when ARGV[9] names the pool's state_ver,
+--     since the caller holds it already
 local rid, node = ARGV[1], ARGV[2]
 if not valid_id(rid) then return fail('bad_arg', 'rid') end
 if not valid_id(node) then return fail('bad_arg', 'node') end
@@ -37,34 +41,45 @@ local ttl = int_arg(ARGV[7])
 if ttl == nil then return fail('bad_arg', 'ttl_ms') end
 local lease_ms = int_arg(ARGV[8], 86400000)
 if lease_ms == nil then return fail('bad_arg', 'lease_ms') end
-local n = int_arg(ARGV[9], 64)
-if n == nil or n < 1 or #ARGV ~= 9 + 5 * n then
+local n = int_arg(ARGV[10], 64)
+if n == nil or n < 1 or #ARGV ~= 10 + 5 * n then
   return fail('bad_arg', 'candidates: expected n >= 1 groups of 5')
 end
 local candidates = {}
 for i = 1, n do
-  local base = 9 + 5 * (i - 1)
+  local base = 10 + 5 * (i - 1)
   local c = {id = ARGV[base + 1],
     prefill_ms = int_arg(ARGV[base + 2], MAX_PREDICTED_MS),
     decode_ms = int_arg(ARGV[base + 3], MAX_PREDICTED_MS),
     inflight = int_arg(ARGV[base + 4]), pending = int_arg(ARGV[base + 5])}
-  if not valid_id(c.id) or c.prefill_ms == nil or c.decode_ms == nil
-      or c.inflight == nil or c.pending == nil then
+  -- The id needs no pattern check: one that is not registered is never alive, so
+  -- never chosen or written.
+  if c.prefill_ms == nil or c.decode_ms == nil or c.inflight == nil or c.pending == nil then
     return fail('bad_arg', 'candidate ' .. i)
   end
   candidates[i] = c
 end
 
 local now = now_ms()
+local run = run_id(now)
+local spec_gen = num(K_META, 'spec_gen')
+local function view(patch)
+  if patch then return {run, spec_gen, now, false, false, patch[1], patch[2], patch[3]} end
+  local state_ver = num(K_META, 'state_ver')
+  if ARGV[9] == run .. ':' .. state_ver then  -- the caller holds this state already
+    return {run, spec_gen, now, false, false, state_ver, -1, ''}
+  end
+  return {run, spec_gen, now, redis.call('GET', K_STATE) or '', false, state_ver, -1, ''}
+end
 -- Reservations are written only under a live lease: the reaper finds a node through
 -- its lease, so a reservation without one would never go away.
 local leased = lease_held(node, now)
-if not leased and lease_ms == 0 then return {'nolease', view(now)} end
+if not leased and lease_ms == 0 then return {'nolease', view()} end
 local existing = redis.call('HGET', K_RES, rid)
 if existing then
   local rec = cjson.decode(existing)
   return {'dup', rec.instance, rec.epoch, rec.predicted_ttft_ms, rec.prefill_ms, rec.decode_ms,
-    view(now)}
+    view()}
 end
 
 -- Unforced: the first alive candidate that is still no busier than the caller saw it,
@@ -86,9 +101,9 @@ for _, c in ipairs(candidates) do
   local last_seen = redis.call('HGET', K_LAST_SEEN, c.id)
   if last_seen and now - tonumber(last_seen) <= ttl then
     saw_alive = true
-    local max_slots = num(K_MAX_SLOTS, c.id)
     local inflight = num(K_INFLIGHT, c.id)
-    if enforce and max_slots > 0 and inflight >= max_slots then
+    local max_slots = enforce and num(K_MAX_SLOTS, c.id) or 0
+    if max_slots > 0 and inflight >= max_slots then
       saw_full = true
       local e = earliest_end(c.id, num(K_EPOCH, c.id))
       local wait = e > 0 and math.max(0, e - now) or 0
@@ -103,7 +118,7 @@ for _, c in ipairs(candidates) do
 end
 
 if not chosen then
-  local d = view(now)
+  local d = view()
   if saw_full then return {'full', min_slot_ms or 0, d} end
   if saw_alive then return {'stale', d} end
   return {'none', d}
@@ -117,14 +132,15 @@ local first_token_at = start + chosen.prefill_ms
 local end_at = first_token_at + chosen.decode_ms
 local ttft = first_token_at - now
 redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', first_token_at))
-redis.call('HINCRBY', K_INFLIGHT, id, 1)
-redis.call('HINCRBY', K_PENDING, id, 1)
+local inflight = redis.call('HINCRBY', K_INFLIGHT, id, 1)
+local pending = redis.call('HINCRBY', K_PENDING, id, 1)
 redis.call('HINCRBY', K_PENDING_MS, id, chosen.prefill_ms)
-redis.call('HSET', K_RES, rid, cjson.encode({instance = id, epoch = epoch, node = node,
+redis.call('HSET', K_RES, rid, encode_record({instance = id, epoch = epoch, node = node,
   phase = 'prefill', prompt_tokens = prompt, expected_output_tokens = expected,
   prefill_ms = chosen.prefill_ms, decode_ms = chosen.decode_ms, created_ms = now,
   first_token_at_ms = first_token_at, end_at_ms = end_at, predicted_ttft_ms = ttft}))
 redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, epoch, end_at, rid))
 redis.call('SADD', KEYS[22], rid)
-sync_state(id)
-return {'ok', id, epoch, ttft, chosen.prefill_ms, chosen.decode_ms, view(now)}
+-- inflight counts both phases: the rest of it is the decode count.
+local patch = publish_state(id, epoch, pending, inflight - pending, first_token_at)
+return {'ok', id, epoch, ttft, chosen.prefill_ms, chosen.decode_ms, view(patch)}

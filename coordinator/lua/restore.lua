@@ -40,13 +40,12 @@ if raw then
   if rec.phase == 'prefill' and phase == 'decode' then
     redis.call('ZREM', K_BY_INSTANCE, lex_member(at, rec.epoch, rec.end_at_ms, rid))
     rec.phase, rec.first_token_at_ms, rec.end_at_ms = 'decode', now, now + rec.decode_ms
-    redis.call('HSET', K_RES, rid, cjson.encode(rec))
+    redis.call('HSET', K_RES, rid, encode_record(rec))
     redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(at, rec.epoch, rec.end_at_ms, rid))
     if current then
-      if num(K_PENDING, at) > 0 then redis.call('HINCRBY', K_PENDING, at, -1) end
+      add(K_PENDING, at, -1)
       redis.call('HINCRBY', K_DECODE, at, 1)
-      redis.call('HINCRBY', K_PENDING_MS, at, 0 - rec.prefill_ms)  -- never '-0'
-      rechain_after_first_token(at, now)
+      rechain_after_first_token(at, now, add(K_PENDING_MS, at, 0 - rec.prefill_ms))
       sync_state(at)
     end
     return {'advanced', at, rec.epoch}
@@ -72,7 +71,7 @@ else
   rec.end_at_ms = now + decode_ms
   redis.call('HINCRBY', K_DECODE, id, 1)
 end
-redis.call('HSET', K_RES, rid, cjson.encode(rec))
+redis.call('HSET', K_RES, rid, encode_record(rec))
 redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, epoch, rec.end_at_ms, rid))
 redis.call('SADD', KEYS[22], rid)
 sync_state(id)

@@ -170,6 +170,7 @@ def calls(draw: st.DrawFn, name: str) -> Call:
             draw(flags),
             draw(counts),
             draw(st.sampled_from(["0", "600000"])),
+            draw(st.just("") | run_ids),
             str(n),
         ]
         for _ in range(n):
@@ -328,7 +329,7 @@ BASE_CALLS: dict[str, list[str]] = {
     "read_specs": ["0", "", "500"],
     "sweep": ["500"],
     "reserve": [
-        *("r-new", NODE, "100", "10", "1", "1", "600000", "0", "1"),
+        *("r-new", NODE, "100", "10", "1", "1", "600000", "0", "", "1"),
         *("i0", "15", "20", "0", "0"),
     ],
     "mark_first_token": [PREFILL_RID],

@@ -105,15 +105,95 @@ async def test_specs_are_read_only_when_they_change(make_coordinator: MakeCoordi
     await assert_view_is_current(a, make_coordinator)
 
 
-async def test_reserve_replies_carry_the_view(make_coordinator: MakeCoordinator) -> None:
+async def test_a_reservation_reply_carries_its_own_change(
+    make_coordinator: MakeCoordinator,
+) -> None:
     a, b = await two_nodes(make_coordinator)
     await a.refresh()
     calls = count_calls(a)
     first = await b.reserve(100, 10)
-    res = await a.reserve(100, 10)
+    res = await a.reserve(100, 10, exclude=[first.instance_id])
     assert calls == {"reserve": 1}, "a fresh view needs no separate read"
+    assert a._cache.rows[res.instance_id].inflight == 1, "its own claim shows at once"
+    assert a._cache.rows[first.instance_id].inflight == 0, "a peer's: at the next whole read"
+    await a.refresh()
     assert a._cache.rows[first.instance_id].inflight == 1
-    assert a._cache.rows[res.instance_id].inflight == 1 + (res.instance_id == first.instance_id)
+
+
+def spy_replies(c: Coordinator) -> list[tuple[str, Any]]:
+    """Record every script reply a node gets from now on, with the script's name."""
+    replies: list[tuple[str, Any]] = []
+    real = c._direct_call
+
+    async def spied(name: str, args: list[Any], extra: tuple[str | bytes, ...] = ()) -> Any:
+        reply = await real(name, args, extra)
+        replies.append((name, reply))
+        return reply
+
+    c._direct_call = spied  # type: ignore[method-assign]
+    return replies
+
+
+async def assert_state_is_redis(c: Coordinator) -> None:
+    """The node's packed state and its version are exactly what Redis holds."""
+    state = await c.redis.get(c.keys.column("state"))
+    ver = await c.redis.hget(c.keys.column("meta"), "state_ver")
+    assert c._cache.state == state.encode("latin-1")
+    assert c._cache.state_ver == int(ver)
+
+
+async def test_a_current_view_gets_only_the_changed_records(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    a, b = await two_nodes(make_coordinator)
+    await a.refresh()
+    replies = spy_replies(a)
+    for _ in range(3):
+        res = await a.reserve(100, 10)
+        await assert_state_is_redis(a)
+        await a.mark_first_token(res.rid)
+        await assert_state_is_redis(a)
+        await a.release(res.rid)
+        await assert_state_is_redis(a)
+    views = [reply[-1] for name, reply in replies if name == "reserve"]
+    assert [view[3] for view in views] == [None] * 3, "no whole state for a current view"
+    assert all(len(reply) == 4 for name, reply in replies if name != "reserve")
+
+    # Peers take every instance: each of a's candidates is busier than a saw it.
+    taken = [await b.reserve(100, 10) for _ in range(POOL_SIZE)]
+    assert {r.instance_id for r in taken} == set(a._cache.rows)
+    held = await a.reserve(100, 10)
+    statuses = [(reply[0], reply[-1][3] is not None) for name, reply in replies[-2:]]
+    assert statuses == [("stale", True), ("ok", False)], "the retry decides on the whole state"
+    await assert_state_is_redis(a)
+    for res in [*taken, held]:
+        await b.release(res.rid)
+    await assert_view_is_current(a, make_coordinator)
+
+
+async def test_a_record_ahead_of_the_view_waits_for_the_one_before(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    a, b = await two_nodes(make_coordinator)
+    first, second = await b.reserve(100, 10), await b.reserve(100, 10)
+    await a.refresh()
+    replies = spy_replies(b)
+    await b.release(first.rid)
+    await b.release(second.rid)
+    (_, one), (_, two) = replies
+    cache = a._cache
+    ver, state = cache.state_ver, cache.state
+    slot = int(two[2])
+    cache.apply_patch(*two[1:])  # the later change first: held ahead of the view
+    assert cache.state_ver == ver
+    assert cache.state[slot * STATE_BYTES : (slot + 1) * STATE_BYTES] == two[3].encode()
+    cache.apply_view(cache.run_id, cache.seen_spec_gen, cache.now_ms, state, None, ver)
+    assert cache.state[slot * STATE_BYTES : (slot + 1) * STATE_BYTES] == two[3].encode(), (
+        "a whole view older than a record held ahead keeps that record"
+    )
+    cache.apply_patch(*one[1:])
+    assert cache.state_ver == ver + 2, "the record before it moves the view past both"
+    await assert_state_is_redis(a)
 
 
 async def test_unregistered_slot_is_reused_and_read_right(
@@ -249,3 +329,20 @@ async def test_a_reservation_goes_to_the_url_redis_has_now(
     await b.register_instance(spec(0, url="http://127.0.0.1:9999", epoch=2))
     res = await a.reserve(10, 10)
     assert (res.epoch, res.url) == (2, "http://127.0.0.1:9999")
+
+
+async def test_a_node_whose_candidates_all_left_reserves_on_the_newcomer(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    # Found by the stateful invariant test: the 'none' reply says the specs moved on,
+    # and the retry must rank the instances Redis has now, not the cached ones.
+    a = await make_coordinator("node-a")
+    b = await make_coordinator("node-b")
+    await b.register_instance(spec("old"))
+    first = await a.reserve(10, 10)
+    await b.register_instance(spec("new"))
+    await b.unregister_instance("old")
+    res = await a.reserve(10, 10, rid=first.rid)
+    assert res.instance_id == "new"
+    await a.release(res.rid)
+    await assert_counters_match_reservations(a)
