@@ -50,6 +50,7 @@ from coordinator.models import (
 )
 from coordinator.outliers import Outcome, OutlierPolicy, OutlierView, parse_outliers
 from coordinator.packed import as_text
+from coordinator.prefix_index import PrefixIndex
 from coordinator.pressure import instance_load
 from coordinator.scripts import Scripts
 from coordinator.settings import STRATEGIES, Settings
@@ -170,6 +171,15 @@ class Coordinator:
         self._renewed_mono = 0.0
         self._voids_left = 0  # instances with void records to sweep, per renew_lease
         self.on_reaped: Callable[[int], None] | None = None
+        self.prefix = PrefixIndex(
+            redis,
+            self.keys,
+            self.settings,
+            self._call,
+            self._epoch_of,
+            self._prefix_capacity,
+            UNAVAILABLE,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -224,6 +234,14 @@ class Coordinator:
     def local_reservations(self) -> dict[str, LocalReservation]:
         """This node's live reservations (read-only use)."""
         return self._local
+
+    def _epoch_of(self, instance_id: str) -> int | None:
+        row = self._cache.rows.get(instance_id)
+        return None if row is None else row.epoch
+
+    def _prefix_capacity(self, instance_id: str) -> int | None:
+        row = self._cache.rows.get(instance_id)
+        return None if row is None else row.spec.prefix_cache_tokens
 
     # ------------------------------------------------------------------ redis calls
 

@@ -1,0 +1,86 @@
+"""Prefix block hashing (coordinator/prefix.py): chain, salt, canonical prompts."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coordinator.prefix import (
+    block_hashes,
+    cached_blocks,
+    canonical_prompt,
+    parse_owners,
+    salt_key,
+)
+
+KEY = salt_key("pool", "")
+
+
+@given(st.text(min_size=0, max_size=200), st.text(min_size=0, max_size=200))
+def test_equal_hashes_exactly_up_to_the_first_differing_block(a: str, b: str) -> None:
+    ha, hb = block_hashes(a, KEY, 8, 64), block_hashes(b, KEY, 8, 64)
+    for i in range(min(len(ha), len(hb))):
+        same_prefix = a[: 8 * (i + 1)] == b[: 8 * (i + 1)]
+        assert (ha[i] == hb[i]) == same_prefix
+
+
+def test_only_whole_blocks_are_hashed_and_capped() -> None:
+    assert len(block_hashes("x" * 23, KEY, 8, 64)) == 2
+    assert len(block_hashes("x" * 800, KEY, 8, 5)) == 5
+    assert block_hashes("short", KEY, 8, 64) == []
+
+
+def test_a_block_hash_depends_on_everything_before_it() -> None:
+    # The same second block behind a different first block hashes differently.
+    assert (
+        block_hashes("AAAAAAAACCCCCCCC", KEY, 8, 4)[1]
+        != block_hashes("BBBBBBBBCCCCCCCC", KEY, 8, 4)[1]
+    )
+
+
+def test_salt_separates_pools_and_deployments() -> None:
+    text = "y" * 64
+    base = block_hashes(text, salt_key("p", ""), 8, 8)
+    assert base != block_hashes(text, salt_key("q", ""), 8, 8)
+    assert base != block_hashes(text, salt_key("p", "secret"), 8, 8)
+    assert base == block_hashes(text, salt_key("p", ""), 8, 8)
+
+
+def test_hashes_are_hex_digests_that_carry_no_text() -> None:
+    text = "the secret plan " * 8
+    for h in block_hashes(text, KEY, 16, 64):
+        assert len(h) == 16 and int(h, 16) >= 0
+        assert "secret" not in h
+
+
+def test_a_follow_up_turn_extends_the_previous_canonical_prompt() -> None:
+    turn1 = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "q1"}]}
+    turn2 = {
+        "messages": [
+            *turn1["messages"],
+            {"role": "assistant", "content": [{"type": "text", "text": "a1"}]},
+            {"role": "user", "content": "q2"},
+        ]
+    }
+    assert canonical_prompt(turn2).startswith(canonical_prompt(turn1))
+    assert canonical_prompt(turn1) == "system\x1fS\x1euser\x1fq1\x1e"
+    # Roles are part of the prompt: the same text as another role is another prompt.
+    swapped = {"messages": [{"role": "user", "content": "S"}, {"role": "user", "content": "q1"}]}
+    assert canonical_prompt(swapped) != canonical_prompt(turn1)
+
+
+def test_completion_prompts_and_other_bodies() -> None:
+    assert canonical_prompt({"prompt": "abc"}) == "abc"
+    assert canonical_prompt({"prompt": ["first", "second"]}) == "first"
+    assert canonical_prompt({"prompt": 5}) == ""
+    assert canonical_prompt({}) == ""
+
+
+def test_cached_blocks_counts_leading_blocks_at_the_current_epoch() -> None:
+    epochs = {"a": 1, "b": 2}.get
+    owners = ["a|1|9 b|2|9 c|1|9", "a|1|8 b|1|8", None, "a|1|7"]
+    # c is not registered, b's second block is from an older epoch, the third block
+    # has no owner: a holds 2 leading blocks, b 1.
+    assert cached_blocks(owners, epochs) == {"a": 2, "b": 1}
+    assert cached_blocks([], epochs) == {}
+    assert parse_owners("x:y|3|12 bad z|q|1") == [("x:y", 3)]
