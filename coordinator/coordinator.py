@@ -8,7 +8,7 @@ import random
 import time
 import uuid
 import zlib
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any
@@ -46,6 +46,7 @@ from coordinator.models import (
     InstanceLoad,
     InstanceRow,
     InstanceSpec,
+    RequestShape,
     Reservation,
 )
 from coordinator.outliers import Outcome, OutlierPolicy, OutlierView, parse_outliers
@@ -495,14 +496,18 @@ class Coordinator:
         return Snapshot(now, self._cache.spec_gen, rows, "degraded")
 
     def rank(
-        self, snap: Snapshot, strategy: str | None = None, exclude: Collection[str] = ()
+        self,
+        snap: Snapshot,
+        strategy: str | None = None,
+        exclude: Collection[str] = (),
+        request: RequestShape | None = None,
     ) -> Ranking:
         """Rank a snapshot's eligible rows with a strategy (default: the settings')."""
         name = strategy or self.settings.strategy
         if name not in STRATEGIES:
             raise InvalidArgumentError(f"unknown strategy {name!r}; choose from {STRATEGIES}")
         rows = [r for r in eligible(snap.rows) if r.id not in exclude]
-        return rank(name, rows, self.settings.weights, self._rr, self._rng)
+        return rank(name, rows, self.settings.weights, self._rr, self._rng, request)
 
     # ------------------------------------------------------------------ reservations
 
@@ -514,10 +519,13 @@ class Coordinator:
         *,
         rid: str | None = None,
         exclude: Collection[str] = (),
+        cached_tokens: Mapping[str, int] | None = None,
     ) -> Reservation:
         """Choose an instance and record the request on it (see DESIGN.md §4).
 
         `exclude` names instances not to choose (e.g. one that just refused a connection).
+        `cached_tokens` maps instance ids to the prompt tokens expected in their prefix
+        cache: ranking and the predicted prefill count only the uncached rest.
         """
         for name, value in (
             ("prompt_tokens", prompt_tokens),
@@ -537,17 +545,16 @@ class Coordinator:
             raise InvalidArgumentError(f"rid {rid!r} must match {ID_RE.pattern}")
         if strategy is not None and strategy not in STRATEGIES:
             raise InvalidArgumentError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+        request = RequestShape(
+            prompt_tokens, expected_output_tokens, _checked_cached(cached_tokens or {})
+        )
         skip = frozenset(exclude)
         deadline = time.monotonic() + self.settings.queue_timeout_ms / 1000
         while True:
             try:
-                return await self._reserve_shared(
-                    rid, prompt_tokens, expected_output_tokens, strategy, skip
-                )
+                return await self._reserve_shared(rid, request, strategy, skip)
             except CoordinationUnavailableError:
-                return self._reserve_local(
-                    rid, prompt_tokens, expected_output_tokens, strategy, skip
-                )
+                return self._reserve_local(rid, request, strategy, skip)
             except PoolFullError as full:
                 remaining = deadline - time.monotonic()
                 if self.settings.full_policy == "reject" or remaining <= 0:
@@ -560,26 +567,27 @@ class Coordinator:
                     self.stats.queue_waiting -= 1
 
     async def _reserve_shared(
-        self, rid: str, prompt: int, expected: int, strategy: str | None, skip: frozenset[str]
+        self, rid: str, request: RequestShape, strategy: str | None, skip: frozenset[str]
     ) -> Reservation:
         async with self._decide:
-            return await self._decide_and_reserve(rid, prompt, expected, strategy, skip)
+            return await self._decide_and_reserve(rid, request, strategy, skip)
 
     async def _decide_and_reserve(
-        self, rid: str, prompt: int, expected: int, strategy: str | None, skip: frozenset[str]
+        self, rid: str, request: RequestShape, strategy: str | None, skip: frozenset[str]
     ) -> Reservation:
         s = self.settings
+        prompt, expected = request.prompt_tokens, request.expected_output_tokens
         if self._degraded:
             raise CoordinationUnavailableError("coordination is degraded")
         refreshed = await self._ensure_view()
         for attempt in range(s.reserve_retries + 1):
-            ranking = self._rank_for_reserve(strategy, skip)
+            ranking = self._rank_for_reserve(strategy, skip, request)
             candidates = ranking.ranked[: s.top_k]
             if not candidates and not refreshed:
                 # A young cache may predate a registration: look again before a 503.
                 await self.refresh()
                 refreshed = True
-                ranking = self._rank_for_reserve(strategy, skip)
+                ranking = self._rank_for_reserve(strategy, skip, request)
                 candidates = ranking.ranked[: s.top_k]
             if not candidates:
                 raise NoInstanceError("no alive instance in pool " + self.pool)
@@ -600,7 +608,7 @@ class Coordinator:
                 row = self._cache.rows[c.id]
                 args += [
                     c.id,
-                    c.spec.prefill_ms(prompt),
+                    c.spec.prefill_ms(request.uncached_on(c.id)),
                     c.spec.decode_ms(expected),
                     row.inflight,
                     row.pending_prefill,
@@ -617,7 +625,7 @@ class Coordinator:
                     # reservation must go to the URL Redis has now, not the cached one.
                     with suppress(CoordinationUnavailableError):
                         await self._read_specs(self._call)
-                return self._record(rid, reply, prompt, expected, ranking)
+                return self._record(rid, reply, request, ranking)
             if status == "nolease":
                 # Peers may have reaped this node: re-assert before writing again.
                 self.stats.lease_losses += 1
@@ -632,7 +640,9 @@ class Coordinator:
             self.stats.reserve_retries += 1
         raise NoInstanceError("no alive instance accepted the reservation")
 
-    def _rank_for_reserve(self, strategy: str | None, skip: frozenset[str]) -> Ranking:
+    def _rank_for_reserve(
+        self, strategy: str | None, skip: frozenset[str], request: RequestShape
+    ) -> Ranking:
         """least_load through the vectorized ranker; other strategies on full rows.
 
         With enforce_max_slots, full instances are ranked out first: the script sees
@@ -641,19 +651,24 @@ class Coordinator:
         with the wait until the earliest slot frees up.
         """
         if self.settings.enforce_max_slots:
-            ranking = self._rank_candidates(strategy, skip, room_only=True)
+            ranking = self._rank_candidates(strategy, skip, request, room_only=True)
             if ranking.ranked:
                 return ranking
-        return self._rank_candidates(strategy, skip, room_only=False)
+        return self._rank_candidates(strategy, skip, request, room_only=False)
 
     def _rank_candidates(
-        self, strategy: str | None, skip: frozenset[str], *, room_only: bool
+        self,
+        strategy: str | None,
+        skip: frozenset[str],
+        request: RequestShape,
+        *,
+        room_only: bool,
     ) -> Ranking:
         name = strategy or self.settings.strategy
         if name != "least_load" or skip:
             if room_only:
                 skip = skip | self._full_ids()
-            return self.rank(self._current_snapshot(), name, exclude=skip)
+            return self.rank(self._current_snapshot(), name, exclude=skip, request=request)
         s = self.settings
         ranked, scores = self._columns_view.rank_least_load(
             self._cache,
@@ -664,6 +679,7 @@ class Coordinator:
             hint_ttl_ms=s.hint_ttl_ms,
             k=s.top_k,
             room_only=room_only,
+            request=request,
         )
         return Ranking(ranked, scores, "least_load")
 
@@ -682,8 +698,9 @@ class Coordinator:
         )
 
     def _record(
-        self, rid: str, reply: list[Any], prompt: int, expected: int, ranking: Ranking
+        self, rid: str, reply: list[Any], request: RequestShape, ranking: Ranking
     ) -> Reservation:
+        prompt, expected = request.prompt_tokens, request.expected_output_tokens
         iid, epoch = str(reply[1]), int(reply[2])
         ttft = None if reply[3] is None else int(reply[3])
         prefill_ms, decode_ms = int(reply[4]), int(reply[5])
@@ -711,15 +728,17 @@ class Coordinator:
             expected,
             False,
             ranking.scores.get(iid),
+            request.cached_on(iid),
         )
 
     def _reserve_local(
-        self, rid: str, prompt: int, expected: int, strategy: str | None, skip: frozenset[str]
+        self, rid: str, request: RequestShape, strategy: str | None, skip: frozenset[str]
     ) -> Reservation:
         """Degraded mode: the same strategy over this node's own counters."""
+        prompt, expected = request.prompt_tokens, request.expected_output_tokens
         existing = self._local.get(rid)
         snap = self._current_snapshot()
-        ranking = self.rank(snap, strategy, exclude=skip)
+        ranking = self.rank(snap, strategy, exclude=skip, request=request)
         chosen = ranking.choice
         if existing is not None:
             row = self._cache.rows.get(existing.instance_id)
@@ -735,10 +754,12 @@ class Coordinator:
                 expected,
                 True,
                 None,
+                request.cached_on(existing.instance_id),
             )
         if chosen is None:
             raise NoInstanceError("no alive instance known to this node (degraded)")
-        prefill_ms, decode_ms = chosen.spec.prefill_ms(prompt), chosen.spec.decode_ms(expected)
+        prefill_ms = chosen.spec.prefill_ms(request.uncached_on(chosen.id))
+        decode_ms = chosen.spec.decode_ms(expected)
         self._local[rid] = LocalReservation(
             rid,
             chosen.id,
@@ -762,6 +783,7 @@ class Coordinator:
             expected,
             True,
             ranking.scores.get(chosen.id),
+            request.cached_on(chosen.id),
         )
 
     async def mark_first_token(self, rid: str) -> bool:
@@ -1104,3 +1126,20 @@ class Coordinator:
 
 
 __all__ = ["Coordinator", "LocalReservation", "RegisterResult", "Stats", "UnknownInstanceError"]
+
+
+def _checked_cached(cached: Mapping[str, int]) -> Mapping[str, int]:
+    """Validate a cached_tokens map: instance ids to token counts in 0..MAX_TOKENS."""
+    if not isinstance(cached, Mapping):
+        raise InvalidArgumentError("cached_tokens must map instance ids to token counts")
+    for iid, value in cached.items():
+        if (
+            not isinstance(iid, str)
+            or isinstance(value, bool)
+            or not isinstance(value, int)
+            or not 0 <= value <= MAX_TOKENS
+        ):
+            raise InvalidArgumentError(
+                f"cached_tokens[{iid!r}] must be an integer in 0..{MAX_TOKENS}, got {value!r}"
+            )
+    return cached

@@ -15,7 +15,13 @@ import math
 import numpy as np
 import numpy.typing as npt
 
-from coordinator.models import HINT_NAMES, InstanceLoad, InstanceRow
+from coordinator.models import (
+    HINT_NAMES,
+    MAX_PREDICTED_MS,
+    InstanceLoad,
+    InstanceRow,
+    RequestShape,
+)
 from coordinator.pressure import instance_load
 from coordinator.settings import Weights
 from coordinator.snapshot import PoolCache
@@ -59,6 +65,8 @@ class ColumnarPool:
                 "timed",
                 "mixed",
                 "weight",
+                "prefill_per_token",
+                "prefill_overhead",
                 *HINT_NAMES,
                 *(f"{h}_at" for h in HINT_NAMES),
             )
@@ -86,6 +94,8 @@ class ColumnarPool:
         c["timed"][i] = 1.0 if row.spec.has_timing else 0.0
         c["mixed"][i] = 1.0 if row.spec.role == "mixed" else 0.0
         c["weight"][i] = row.spec.weight
+        c["prefill_per_token"][i] = row.spec.prefill_ms_per_token or 0.0
+        c["prefill_overhead"][i] = row.spec.prefill_overhead_ms or 0.0
         for name in HINT_NAMES:
             hint = row.hints.get(name)
             c[name][i] = NAN if hint is None else hint.value
@@ -102,10 +112,12 @@ class ColumnarPool:
         hint_ttl_ms: int,
         k: int,
         room_only: bool = False,
+        request: RequestShape | None = None,
     ) -> tuple[list[InstanceLoad], dict[str, Score]]:
         """The reference least_load's first k candidates and their scores.
 
         `room_only` leaves out instances at max_slots, as if they were not eligible.
+        With a `request`, the ttft_ms component is scored as in the reference.
         """
         self.sync(cache)
         c = self._cols
@@ -137,6 +149,8 @@ class ColumnarPool:
             "active_decode": np.where(known_pred, c["decode"][sel], NAN),
             "backlog_ms": backlog,
         }
+        if request is not None:
+            values["ttft_ms"] = backlog + self._prefill_ms(c, sel, eligible, request)
         for name in INSTANTANEOUS:
             at = c[f"{name}_at"][sel]
             missing = np.isnan(at)
@@ -149,7 +163,7 @@ class ColumnarPool:
             name
             for names in (LIFECYCLE, INSTANTANEOUS, PREDICTED)
             for name in names
-            if not np.isnan(values[name]).any()
+            if name in values and not np.isnan(values[name]).any()
         ]
         wmap = weights.as_dict()
         total = np.zeros(eligible.size)
@@ -168,7 +182,7 @@ class ColumnarPool:
         }
         loads: list[InstanceLoad] = []
         scores: dict[str, Score] = {}
-        picked = {name: values[name][order].tolist() for name in wmap}
+        picked = {name: values[name][order].tolist() for name in wmap if name in values}
         totals = total[order].tolist()
         for j, i in enumerate(chosen.tolist()):
             iid = self.ids[i]
@@ -180,6 +194,25 @@ class ColumnarPool:
             weighted = {name: wmap[name] * picked[name][j] for name in used}
             scores[iid] = Score(iid, totals[j], raw, weighted, dict(sources), wmap)
         return loads, scores
+
+    def _prefill_ms(
+        self,
+        c: dict[str, Floats],
+        sel: slice | npt.NDArray[np.intp],
+        eligible: npt.NDArray[np.intp],
+        request: RequestShape,
+    ) -> Floats:
+        """InstanceSpec.prefill_ms of each candidate's uncached prompt, as a column."""
+        tokens = np.full(eligible.size, float(request.prompt_tokens))
+        for iid in request.cached_tokens:  # few entries: O(log n) each
+            i = self.index.get(iid)
+            if i is None:
+                continue
+            j = int(np.searchsorted(eligible, i))
+            if j < eligible.size and eligible[j] == i:
+                tokens[j] = request.uncached_on(iid)
+        raw = c["prefill_overhead"][sel] + c["prefill_per_token"][sel] * tokens
+        return np.where(raw > 0, np.minimum(np.ceil(raw), float(MAX_PREDICTED_MS)), 0.0)
 
     @staticmethod
     def _top(total: Floats, eligible: npt.NDArray[np.intp], rr: RoundRobin, k: int) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -166,6 +167,27 @@ class InstanceSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestShape:
+    """What ranking knows of one request: its size, and its prefix already cached where.
+
+    `cached_tokens` maps an instance id to the prompt tokens expected to be in that
+    instance's prefix cache; an instance not named has none cached.
+    """
+
+    prompt_tokens: int
+    expected_output_tokens: int
+    cached_tokens: Mapping[str, int] = field(default_factory=dict)
+
+    def cached_on(self, instance_id: str) -> int:
+        """Prompt tokens expected cached on an instance (0..prompt_tokens)."""
+        return min(max(0, self.cached_tokens.get(instance_id, 0)), self.prompt_tokens)
+
+    def uncached_on(self, instance_id: str) -> int:
+        """Prompt tokens the instance would have to prefill."""
+        return self.prompt_tokens - self.cached_on(instance_id)
+
+
+@dataclass(frozen=True, slots=True)
 class Hint:
     """One engine hint and the Redis time it was reported at."""
 
@@ -243,3 +265,4 @@ class Reservation:
     expected_output_tokens: int
     degraded: bool = False
     score: Any = None  # the strategy's Score for the chosen instance (explainability)
+    cached_tokens: int = 0  # prompt tokens expected in the chosen instance's prefix cache

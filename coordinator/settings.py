@@ -26,6 +26,7 @@ class Weights:
     pending_prefill: float = 1.0  # predicted layer
     active_decode: float = 0.5
     backlog_ms: float = 0.001
+    ttft_ms: float = 0.0  # request-aware: backlog + own uncached prefill (needs the request)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -10,12 +10,14 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from coordinator.models import InstanceLoad
+from coordinator.models import InstanceLoad, RequestShape
 from coordinator.settings import Weights
 
 LIFECYCLE = ("inflight",)
 INSTANTANEOUS = ("engine_running", "engine_waiting", "queue_depth")
-PREDICTED = ("pending_prefill", "active_decode", "backlog_ms")
+# ttft_ms (backlog + this request's own uncached prefill) exists only when the
+# ranking is given the request (RequestShape); without one it is never a component.
+PREDICTED = ("pending_prefill", "active_decode", "backlog_ms", "ttft_ms")
 LAYERS = {"lifecycle": LIFECYCLE, "instantaneous": INSTANTANEOUS, "predicted": PREDICTED}
 TIE_EPSILON = 1e-9
 
@@ -75,8 +77,8 @@ def eligible(rows: Sequence[InstanceLoad], role: str = "mixed") -> list[Instance
     return [r for r in rows if r.alive and r.role == role]
 
 
-def _raw_components(row: InstanceLoad) -> dict[str, float | None]:
-    return {
+def _raw_components(row: InstanceLoad, request: RequestShape | None) -> dict[str, float | None]:
+    raw: dict[str, float | None] = {
         "inflight": row.inflight,
         "engine_running": row.engine_running,
         "engine_waiting": row.engine_waiting,
@@ -89,6 +91,9 @@ def _raw_components(row: InstanceLoad) -> dict[str, float | None]:
         else None,
         "backlog_ms": row.predicted_total_backlog_ms,
     }
+    if request is not None:
+        raw["ttft_ms"] = row.predicted_ttft_ms(request.uncached_on(row.id))
+    return raw
 
 
 def score_rows(
@@ -97,15 +102,19 @@ def score_rows(
     *,
     use_hints: bool = True,
     use_predicted: bool = True,
+    request: RequestShape | None = None,
 ) -> dict[str, Score]:
     """Score candidates with the three-layer least_load model.
+
+    With a `request`, the predicted layer gains `ttft_ms`: the candidate's backlog
+    plus its own predicted prefill of the request's uncached prompt tokens.
 
     A component enters the totals only when it is known for every candidate whose
     lifecycle is known, so candidates are always compared on the same terms: one
     instance with a stale hint drops that hint for the whole decision rather than
     looking artificially idle (missing is never zero).
     """
-    raws = {row.id: _raw_components(row) for row in rows}
+    raws = {row.id: _raw_components(row, request) for row in rows}
     known = [raw for raw in raws.values() if raw["inflight"] is not None]
     allowed = set(LIFECYCLE)
     if use_hints:
@@ -116,7 +125,7 @@ def score_rows(
         name
         for names in LAYERS.values()
         for name in names
-        if name in allowed and known and all(raw[name] is not None for raw in known)
+        if name in allowed and known and all(raw.get(name) is not None for raw in known)
     ]
     weight_map = weights.as_dict()
     layer_sources = {}
@@ -177,24 +186,37 @@ def least_load(
     *,
     use_hints: bool = True,
     use_predicted: bool = True,
+    request: RequestShape | None = None,
 ) -> Ranking:
     """Rank candidates by the least_load score (DESIGN.md §3), best first."""
-    scores = score_rows(rows, weights, use_hints=use_hints, use_predicted=use_predicted)
+    scores = score_rows(
+        rows, weights, use_hints=use_hints, use_predicted=use_predicted, request=request
+    )
     return Ranking(_rank_by_score(rows, scores, rr), scores, "least_load")
 
 
-def round_robin(rows: Sequence[InstanceLoad], weights: Weights, rr: RoundRobin) -> Ranking:
+def round_robin(
+    rows: Sequence[InstanceLoad],
+    weights: Weights,
+    rr: RoundRobin,
+    request: RequestShape | None = None,
+) -> Ranking:
     """Rotate through the candidates in id order; scores are attached for explanation."""
     ordered = sorted(rows, key=lambda r: r.id)
-    return Ranking(_rotate(ordered, rr.take()), score_rows(rows, weights), "round_robin")
+    scores = score_rows(rows, weights, request=request)
+    return Ranking(_rotate(ordered, rr.take()), scores, "round_robin")
 
 
 def power_of_two(
-    rows: Sequence[InstanceLoad], weights: Weights, rr: RoundRobin, rng: random.Random
+    rows: Sequence[InstanceLoad],
+    weights: Weights,
+    rr: RoundRobin,
+    rng: random.Random,
+    request: RequestShape | None = None,
 ) -> Ranking:
     """Sample two candidates at random, then rank them by least_load score."""
     sample = rng.sample(list(rows), 2) if len(rows) > 2 else list(rows)
-    scores = score_rows(sample, weights)
+    scores = score_rows(sample, weights, request=request)
     return Ranking(_rank_by_score(sample, scores, rr), scores, "power_of_two")
 
 
@@ -204,12 +226,13 @@ def rank(
     weights: Weights,
     rr: RoundRobin,
     rng: random.Random,
+    request: RequestShape | None = None,
 ) -> Ranking:
     """Dispatch to a strategy by name."""
     if name == "least_load":
-        return least_load(rows, weights, rr)
+        return least_load(rows, weights, rr, request=request)
     if name == "round_robin":
-        return round_robin(rows, weights, rr)
+        return round_robin(rows, weights, rr, request)
     if name == "power_of_two":
-        return power_of_two(rows, weights, rr, rng)
+        return power_of_two(rows, weights, rr, rng, request)
     raise ValueError(f"unknown strategy {name!r}")

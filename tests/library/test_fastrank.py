@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.fastrank import ColumnarPool
-from coordinator.models import Hint, InstanceRow, InstanceSpec
+from coordinator.models import Hint, InstanceRow, InstanceSpec, RequestShape
 from coordinator.pressure import instance_load
 from coordinator.settings import Weights
 from coordinator.snapshot import PoolCache
@@ -36,7 +36,8 @@ def rows(draw: st.DrawFn) -> list[InstanceRow]:
             url="http://127.0.0.1:1",
             role=draw(st.sampled_from(["mixed", "mixed", "mixed", "prefill"])),
             weight=draw(st.sampled_from([1.0, 1.0, 2.0])),
-            prefill_ms_per_token=0.1 if timed else None,
+            prefill_ms_per_token=draw(st.sampled_from([0.1, 0.37, 2.0])) if timed else None,
+            prefill_overhead_ms=draw(st.sampled_from([None, 0.0, 12.5])) if timed else None,
             decode_ms_per_token=10.0 if timed else None,
         )
         inflight = draw(st.integers(0, 4))
@@ -77,11 +78,30 @@ def rows(draw: st.DrawFn) -> list[InstanceRow]:
             # Valid weights whose totals overflow to inf on some or every candidate.
             Weights(engine_waiting=1e300, inflight=1.7e308, pending_prefill=1.7e308),
             Weights(inflight=1.7e308, backlog_ms=1.7e308),
+            Weights(ttft_ms=1.0),
+            Weights(ttft_ms=1.0, backlog_ms=0.0, inflight=0.01, pending_prefill=0.0),
         ]
+    ),
+    st.one_of(
+        st.none(),
+        st.builds(
+            RequestShape,
+            st.sampled_from([0, 1, 197, 4096]),
+            st.sampled_from([1, 384]),
+            st.dictionaries(
+                st.sampled_from([f"i{i:02d}" for i in range(14)]),
+                st.sampled_from([-3, 0, 64, 197, 5000]),
+                max_size=4,
+            ),
+        ),
     ),
 )
 def test_fast_ranking_equals_reference(
-    pool_rows: list[InstanceRow], rr_start: int, k: int, weights: Weights
+    pool_rows: list[InstanceRow],
+    rr_start: int,
+    k: int,
+    weights: Weights,
+    request: RequestShape | None,
 ) -> None:
     cache = PoolCache()
     cache.rows = {r.id: r for r in pool_rows}
@@ -89,10 +109,17 @@ def test_fast_ranking_equals_reference(
     columns = ColumnarPool()
     fast_rr, ref_rr = RoundRobin(rr_start), RoundRobin(rr_start)
     fast, fast_scores = columns.rank_least_load(
-        cache, NOW, weights, fast_rr, instance_ttl_ms=TTL, hint_ttl_ms=HINT_TTL, k=k
+        cache,
+        NOW,
+        weights,
+        fast_rr,
+        instance_ttl_ms=TTL,
+        hint_ttl_ms=HINT_TTL,
+        k=k,
+        request=request,
     )
     adjusted = [instance_load(r, NOW, instance_ttl_ms=TTL, hint_ttl_ms=HINT_TTL) for r in pool_rows]
-    ref = least_load(eligible(adjusted), weights, ref_rr)
+    ref = least_load(eligible(adjusted), weights, ref_rr, request=request)
     assert [r.id for r in fast] == [r.id for r in ref.ranked[:k]]
     assert fast == ref.ranked[:k]
     for r in fast:

@@ -14,6 +14,7 @@ from coordinator import (
     ScriptArgumentError,
     UnknownInstanceError,
 )
+from coordinator.settings import Weights
 from tests.conftest import MakeCoordinator
 from tests.helpers import assert_counters_match_reservations, counters, live_reservations, spec
 
@@ -224,3 +225,23 @@ async def test_skewed_node_clock_changes_nothing(
     server_ms = int(float((await c.redis.time())[0]) * 1000)
     assert abs(snap.now_ms - server_ms) < 5_000
     assert await c.release(r.rid)
+
+
+async def test_cached_tokens_rank_and_predict_only_the_uncached_prefill(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """A request-aware ranking sends the request where its prefix is cached."""
+    c = await make_coordinator("n1", weights=Weights(ttft_ms=1.0))
+    for i in range(2):
+        await c.register_instance(spec(i, prefill_ms_per_token=1.0, prefill_overhead_ms=0.0))
+    res = await c.reserve(1000, 10, cached_tokens={"i1": 900})
+    assert (res.instance_id, res.cached_tokens, res.prefill_ms) == ("i1", 900, 100)
+    assert res.score is not None and res.score.components["ttft_ms"] == 100
+    await c.release(res.rid)
+    plain = await c.reserve(1000, 10)
+    assert (plain.cached_tokens, plain.prefill_ms) == (0, 1000)
+    assert plain.score is not None and plain.score.components["ttft_ms"] == 1000
+    with pytest.raises(InvalidArgumentError):
+        await c.reserve(10, 10, cached_tokens={"i0": -1})
+    capped = await c.reserve(10, 10, cached_tokens={"i0": 50, "i1": 50})
+    assert (capped.cached_tokens, capped.prefill_ms) == (10, 0)
