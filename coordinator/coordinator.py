@@ -51,6 +51,7 @@ from coordinator.models import (
 )
 from coordinator.outliers import Outcome, OutlierPolicy, OutlierView, parse_outliers
 from coordinator.packed import as_text
+from coordinator.prefix import guarded_cached_tokens
 from coordinator.prefix_index import PrefixIndex
 from coordinator.pressure import instance_load
 from coordinator.scripts import Scripts
@@ -580,14 +581,15 @@ class Coordinator:
         if self._degraded:
             raise CoordinationUnavailableError("coordination is degraded")
         refreshed = await self._ensure_view()
+        ranked_as = self._guard_hot_spots(request)
         for attempt in range(s.reserve_retries + 1):
-            ranking = self._rank_for_reserve(strategy, skip, request)
+            ranking = self._rank_for_reserve(strategy, skip, ranked_as)
             candidates = ranking.ranked[: s.top_k]
             if not candidates and not refreshed:
                 # A young cache may predate a registration: look again before a 503.
                 await self.refresh()
                 refreshed = True
-                ranking = self._rank_for_reserve(strategy, skip, request)
+                ranking = self._rank_for_reserve(strategy, skip, ranked_as)
                 candidates = ranking.ranked[: s.top_k]
             if not candidates:
                 raise NoInstanceError("no alive instance in pool " + self.pool)
@@ -639,6 +641,21 @@ class Coordinator:
                     raise PoolFullError(int(reply[1]))
             self.stats.reserve_retries += 1
         raise NoInstanceError("no alive instance accepted the reservation")
+
+    def _guard_hot_spots(self, request: RequestShape) -> RequestShape:
+        """The request as ranking sees it: cache credit faded on instances much busier
+        than the idlest (coordinator/prefix.py); the reservation keeps the full credit,
+        since the engine's cache does not care why the request came."""
+        guard_ms = self.settings.prefix_guard_ms
+        if not request.cached_tokens or guard_ms <= 0:
+            return request
+        floor, backlogs = self._columns_view.backlogs(
+            self._cache, self._cache.now_ms, self.settings.instance_ttl_ms, request.cached_tokens
+        )
+        if floor is None:
+            return request
+        cached = guarded_cached_tokens(request.cached_tokens, backlogs.get, floor, guard_ms)
+        return replace(request, cached_tokens=cached)
 
     def _rank_for_reserve(
         self, strategy: str | None, skip: frozenset[str], request: RequestShape

@@ -19,7 +19,7 @@ prompt against the index (docs/security.md). No text is kept.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from coordinator.tokens import CHARS_PER_TOKEN, content_text
@@ -114,3 +114,34 @@ def cached_blocks(
         for owner in active:
             held[owner] = position + 1
     return held
+
+
+def guarded_cached_tokens(
+    cached: Mapping[str, int],
+    backlog_of: Callable[[str], float | None],
+    floor_backlog_ms: float,
+    guard_ms: int,
+) -> dict[str, int]:
+    """The hot-spot guard: cache credit fades as an instance gets busier than the least
+    busy candidate, and is gone once it is `guard_ms` of backlog ahead.
+
+    Without it, the predicted TTFT sends every request of a popular prefix to its one
+    holder until that holder's queue is as long as the prefill the cache saves (for a
+    30k-token prefix, over 2 s) while other instances idle. With it, once the holder is
+    `guard_ms` busier than the idlest instance, the next request goes where the load is
+    lowest and that instance computes (and from then on holds) the prefix too: a
+    popular prefix spreads over as many instances as its load needs. `guard_ms` = 0
+    turns the guard off (the credit is never faded). An instance without a known
+    backlog keeps no credit.
+    """
+    if guard_ms <= 0:
+        return dict(cached)
+    out: dict[str, int] = {}
+    for iid, tokens in cached.items():
+        backlog = backlog_of(iid)
+        if backlog is None:
+            continue
+        share = 1.0 - max(0, backlog - floor_backlog_ms) / guard_ms
+        if share > 0:
+            out[iid] = int(tokens * min(1.0, share))
+    return out

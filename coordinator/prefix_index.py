@@ -44,6 +44,9 @@ class PrefixIndex:
         self._owners = keys.prefix_owners()
         self._lru = keys.prefix_lru()
         self.block_tokens = block_tokens(settings.prefix_block_chars)
+        # Expected cached tokens per instance of the last request this node looked up
+        # (numbers only), for /debug/instance_loads and the dashboard.
+        self.last_lookup: dict[str, int] = {}
 
     @property
     def enabled(self) -> bool:
@@ -69,7 +72,24 @@ class PrefixIndex:
             return {}  # the reserve that follows notices the outage and degrades
         owners = [None if v is None else v.decode() if isinstance(v, bytes) else v for v in values]
         held = cached_blocks(owners, self._epoch_of)
-        return {iid: blocks * self.block_tokens for iid, blocks in held.items()}
+        self.last_lookup = {iid: blocks * self.block_tokens for iid, blocks in held.items()}
+        return self.last_lookup
+
+    async def index_tokens(self, instances: Sequence[tuple[str, int]]) -> dict[str, int]:
+        """Tokens the index holds per (instance id, epoch): one pipelined count each.
+
+        For debug views and `coordinator inspect`, never on the request path.
+        """
+        if not instances:
+            return {}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for iid, epoch in instances:
+                stem = f"{iid}#{epoch:010d}"
+                pipe.zlexcount(self._lru, f"[{stem}|", f"({stem}}}")
+            counts = await pipe.execute()
+        return {
+            iid: int(n) * self.block_tokens for (iid, _), n in zip(instances, counts, strict=True)
+        }
 
     async def record(self, instance_id: str, hashes: Sequence[str]) -> None:
         """Record that `instance_id` now holds these blocks (best effort)."""

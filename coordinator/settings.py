@@ -26,7 +26,7 @@ class Weights:
     pending_prefill: float = 1.0  # predicted layer
     active_decode: float = 0.5
     backlog_ms: float = 0.001
-    ttft_ms: float = 0.0  # request-aware: backlog + own uncached prefill (needs the request)
+    ttft_ms: float = 0.05  # request-aware: backlog + own uncached prefill (needs the request)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -88,6 +88,7 @@ class Settings:
     prefix_max_blocks: int = 128  # blocks hashed, looked up and recorded per request
     prefix_cache_tokens: int = 400_000  # index capacity of an instance whose spec has none
     prefix_max_owners: int = 8  # instances remembered per block (most recent)
+    prefix_guard_ms: int = 5_000  # cache credit fades over this much extra backlog; 0 = off
 
     def __post_init__(self) -> None:
         if not self.key_prefix or not POOL_NAME_RE.fullmatch(self.key_prefix):
@@ -122,6 +123,7 @@ class Settings:
             ("prefix_max_blocks", 1, 512),
             ("prefix_cache_tokens", 0, 10**9),
             ("prefix_max_owners", 1, 64),
+            ("prefix_guard_ms", 0, 86_400_000),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:

@@ -9,6 +9,7 @@ from coordinator.prefix import (
     block_hashes,
     cached_blocks,
     canonical_prompt,
+    guarded_cached_tokens,
     parse_owners,
     salt_key,
 )
@@ -84,3 +85,15 @@ def test_cached_blocks_counts_leading_blocks_at_the_current_epoch() -> None:
     assert cached_blocks(owners, epochs) == {"a": 2, "b": 1}
     assert cached_blocks([], epochs) == {}
     assert parse_owners("x:y|3|12 bad z|q|1") == [("x:y", 3)]
+
+
+def test_guard_fades_credit_with_backlog_above_the_idlest() -> None:
+    backlogs = {"hot": 3000.0, "warm": 1500.0, "idle": 1000.0, "blind": None}.get
+    cached = {"hot": 8000, "warm": 8000, "idle": 8000, "blind": 8000}
+    # Floor 1000 ms, guard 2000 ms: warm is 500 ms ahead (a quarter faded), hot 2000
+    # ms ahead (all faded), an instance without a backlog keeps nothing.
+    assert guarded_cached_tokens(cached, backlogs, 1000.0, 2000) == {
+        "warm": 6000,
+        "idle": 8000,
+    }
+    assert guarded_cached_tokens(cached, backlogs, 1000.0, 0) == cached
