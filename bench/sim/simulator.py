@@ -17,7 +17,9 @@ Strategies:
   lifecycle layer only, round-robin among ties);
 - `least_load_instantaneous`: shared inflight plus engine hints scraped every
   `hint_interval_ms` (`least_load(..., use_predicted=False)`);
-- `least_load`: the full three-layer score over shared reservations;
+- `least_load`: the full three-layer score over shared reservations, given the
+  request as a node's `Coordinator.reserve` gives it (its `ttft_ms` component; no
+  cached tokens: a node with `prefix_affinity` off);
 - `power_of_two`: two random candidates, the better by the full score;
 - `oracle`: one central dispatcher that knows every engine's exact state and sends
   each request where its TTFT is smallest (see `exact_ttft_ms`; it does not look
@@ -26,9 +28,8 @@ Strategies:
 Prefix-aware strategies (`PREFIX_STRATEGIES`, for traces with `hash_ids` and
 `prefix_cache_tokens > 0`; bench/sim/prefix_policies.py): `least_load_affinity` (the
 full score with each candidate's expected cached tokens from the shared prefix index
-taken off its predicted prefill, behind the hot-spot guard), `least_load_no_affinity`
-(the same request-aware score with no cached tokens: a node with `prefix_affinity`
-off), and the baselines `consistent_hash`, `sglang_cache_aware` and `dynamo_kv`. Each engine then has a prefix cache of
+taken off its predicted prefill, behind the hot-spot guard), and the baselines
+`consistent_hash`, `sglang_cache_aware` and `dynamo_kv`. Each engine then has a prefix cache of
 `prefix_cache_tokens`, the trace's blocks being its cache blocks; every strategy runs
 on engines with caches, so `least_load` alone is "least_load without affinity".
 
@@ -76,13 +77,7 @@ STRATEGIES = (
     "power_of_two",
     "oracle",
 )
-PREFIX_STRATEGIES = (
-    "least_load_affinity",
-    "least_load_no_affinity",
-    "consistent_hash",
-    "sglang_cache_aware",
-    "dynamo_kv",
-)
+PREFIX_STRATEGIES = ("least_load_affinity", "consistent_hash", "sglang_cache_aware", "dynamo_kv")
 ALL_STRATEGIES = STRATEGIES + PREFIX_STRATEGIES
 SHARED = frozenset({"least_load_instantaneous", "least_load", "power_of_two", *PREFIX_STRATEGIES})
 EXPECTED_OUTPUT_MODES = ("avg", "true")
@@ -463,6 +458,8 @@ class Simulation:
         w = self.config.weights
         if s in ("consistent_hash", "sglang_cache_aware", "dynamo_kv"):
             return self._prefix_baseline(req, cached)
+        # What a node's Coordinator.reserve ranks with: the request, no cached tokens.
+        shape = RequestShape(req.prompt_tokens, expected)
         if s == "random":
             return node.rng.randrange(self.config.instances)
         if s == "round_robin":
@@ -476,11 +473,11 @@ class Simulation:
         elif s == "least_load_instantaneous":
             ranking = least_load(self._shared_rows(now), w, node.rr, use_predicted=False)
         elif s == "least_load":
-            ranking = least_load(self._shared_rows(now), w, node.rr)
-        elif s in ("least_load_affinity", "least_load_no_affinity"):
+            ranking = least_load(self._shared_rows(now), w, node.rr, request=shape)
+        elif s == "least_load_affinity":
             ranking = self._affinity_ranking(node, req, now, expected, cached)
         elif s == "power_of_two":
-            ranking = power_of_two(self._shared_rows(now), w, node.rr, node.rng)
+            ranking = power_of_two(self._shared_rows(now), w, node.rr, node.rng, shape)
         else:
             return self._oracle(req)
         choice = ranking.choice
