@@ -8,9 +8,11 @@
    `--capacities`; each engine has that cache in every run, so least_load alone is
    "least_load without affinity". The affinity row without the hot-spot guard shows
    what the guard does.
-2. Simulated Azure traces (no prefixes): least_load with the affinity code path
+2. A popular prefix (synthetic): every request shares one long document prefix,
+   the case the hot-spot guard is for, with the same rows.
+3. Simulated Azure traces (no prefixes): least_load with the affinity code path
    against least_load without it.
-3. Live: a slice of Mooncake through a local cluster (mock engines with the prefix
+4. Live: a slice of Mooncake through a local cluster (mock engines with the prefix
    cache, 3 proxy nodes) next to the sim of the same slice: hit rate and TTFT p50.
 
 With --write-docs the text between `<!-- prefix:start -->` and `<!-- prefix:end -->`
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import shlex
 import sys
 import time
@@ -48,6 +51,8 @@ MOONCAKE_ROWS: tuple[tuple[str, str, int | None], ...] = (
     ("sglang_cache_aware", "sglang_cache_aware", None),
     ("dynamo_kv", "dynamo_kv", None),
 )
+POPULAR_REQUESTS = 2000  # the popular-prefix workload: requests
+POPULAR_BLOCKS = 80  # blocks of the shared prefix (40,960 tokens), then 2 unique ones
 HIT_SHARE = 0.9  # affinity's hit rate >= this x pure affinity's
 TTFT_SHARE = 0.7  # affinity's TTFT p50 and p99 <= this x least_load's
 ANCHOR_SHARE = 1.1  # affinity's TTFT p99 <= this x the better anchor's
@@ -71,6 +76,18 @@ def scaled(
     return scale_to_utilization(
         load_trace(trace, limit=limit), config.timing, config.instances, utilization
     )
+
+
+def popular_prefix(seed: int = 1) -> list[TraceRequest]:
+    """Poisson arrivals that all start with the same long prefix (a shared document)."""
+    rng = random.Random(seed)
+    out, at = [], 0.0
+    for i in range(POPULAR_REQUESTS):
+        at += rng.expovariate(1.0)
+        blocks = (*range(POPULAR_BLOCKS), 1_000_000 + 2 * i, 1_000_001 + 2 * i)
+        output = max(1, int(rng.lognormvariate(4.0, 1.0)))
+        out.append(TraceRequest(i, at, len(blocks) * 512, output, blocks))
+    return out
 
 
 def run_rows(requests: Sequence[TraceRequest], config: SimConfig) -> dict[str, StrategyResult]:
@@ -212,6 +229,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{sim_table(results)}\n\n{checks_list(checks)}"
         )
     base = SimConfig(instances=args.instances, nodes=args.nodes, prefix_cache_tokens=capacities[0])
+    popular = scale_to_utilization(popular_prefix(), base.timing, args.instances, args.utilization)
+    log(f"sim: a popular prefix, {len(popular)} requests")
+    parts.append(
+        f"### A popular prefix (synthetic), engine prefix cache {capacities[0]:,} tokens\n\n"
+        f"{len(popular)} Poisson requests, each a {POPULAR_BLOCKS}-block (40,960-token) shared "
+        "prefix plus 2 blocks of its own, log-normal outputs (median 55); utilization "
+        f"{args.utilization:g} of uncached work, so once cached the fleet is nearly idle: "
+        "what matters is whether the shared prefix piles everything onto its holders "
+        "(imbalance, idle instances) or spreads.\n\n"
+        f"{sim_table(run_rows(popular, base))}"
+    )
     for trace in args.azure:
         table, checks = azure_part(trace, args.azure_limit or None, base, args.utilization)
         summary += checks

@@ -88,7 +88,7 @@ class Settings:
     prefix_max_blocks: int = 128  # blocks hashed, looked up and recorded per request
     prefix_cache_tokens: int = 400_000  # index capacity of an instance whose spec has none
     prefix_max_owners: int = 8  # instances remembered per block (most recent)
-    prefix_guard_ms: int = 5_000  # cache credit fades over this much extra backlog; 0 = off
+    prefix_guard_ms: int = 10_000  # cache credit fades over this much extra backlog; 0 = off
 
     def __post_init__(self) -> None:
         if not self.key_prefix or not POOL_NAME_RE.fullmatch(self.key_prefix):
