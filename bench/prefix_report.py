@@ -14,6 +14,9 @@
    against least_load without it.
 4. Live: a slice of Mooncake through a local cluster (mock engines with the prefix
    cache, 3 proxy nodes) next to the sim of the same slice: hit rate and TTFT p50.
+5. Live, follow-up turns: 24 four-turn chats through 3 nodes in their default
+   configuration (bench/prefix_live.py).
+6. Redis cost of the index per request at 64 and 1,024 instances.
 
 With --write-docs the text between `<!-- prefix:start -->` and `<!-- prefix:end -->`
 of docs/benchmarks.md is replaced; without it the section is only printed.
@@ -22,6 +25,7 @@ of docs/benchmarks.md is replaced; without it the section is only printed.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 import random
 import shlex
@@ -33,6 +37,7 @@ from pathlib import Path
 
 from bench.docs import add_write_docs, write_section
 from bench.live import LiveConfig, LiveRun, run_live
+from bench.prefix_live import CostResult, TurnsResult, follow_up_turns, redis_cost
 from bench.sim.simulator import SimConfig, StrategyResult, simulate
 from bench.sim.traces import TraceRequest, load_trace, scale_to_utilization
 from coordinator.settings import Settings
@@ -58,6 +63,11 @@ TTFT_SHARE = 0.7  # affinity's TTFT p50 and p99 <= this x least_load's
 ANCHOR_SHARE = 1.1  # affinity's TTFT p99 <= this x the better anchor's
 AZURE_SHARE = 1.03  # no regression without prefixes: within 3%
 LIVE_SHARE = 0.15  # live agrees with the sim within 15% (hit rate, TTFT p50)
+STICKY_SHARE = 0.8  # follow-up turns on their previous turn's instance, at least
+BUSIEST_SHARE = 1.6  # the busiest instance serves at most this x the mean
+COST_US = 30.0  # Redis CPU the index may add per request
+COST_POOLS = (64, 1024)
+COST_CAPACITY = 100_000  # tokens per instance in the cost run (the index is kept full)
 
 Check = tuple[str, float, float, bool]  # what, measured, bound, met
 
@@ -184,6 +194,68 @@ def live_part(run: LiveRun) -> tuple[str, list[Check]]:
     return "\n".join(lines), checks
 
 
+def turns_part(instances: int, nodes: int) -> tuple[str, list[Check]]:
+    from local_fleet.cluster import LocalCluster, free_port_block  # the live parts only
+
+    s = Settings()
+    cluster = LocalCluster(
+        nodes=nodes,
+        engines=instances,
+        base_port=free_port_block(nodes, instances),
+        pool="prefix-turns",
+        engine_args=["--prefix-cache-tokens", str(s.prefix_cache_tokens)],
+    )
+    cluster.start(timeout_s=60)
+    try:
+        r: TurnsResult = asyncio.run(follow_up_turns(cluster.node_urls))
+    finally:
+        cluster.stop()
+    text = (
+        f"{r.conversations} conversations of {r.turns} turns (a 16,000-character system "
+        f"prompt of its own, each turn adds a question and the answer; ~1 s between "
+        f"turns, turn k through node (conversation + k) mod {nodes}); {instances} mock "
+        f"engines at speed 1 with a {s.prefix_cache_tokens:,}-token prefix cache; nodes "
+        f"in their default configuration. Follow-ups on the previous turn's instance: "
+        f"{r.same_instance}/{r.follow_ups}; requests per instance: "
+        f"{' / '.join(map(str, r.per_instance.values()))}; failed: {r.failed}."
+    )
+    checks: list[Check] = [
+        ("follow-up turns on the previous turn's instance >= 80%", r.stickiness,
+         STICKY_SHARE, r.stickiness >= STICKY_SHARE),
+        ("busiest instance <= 1.6 x the mean", r.busiest_over_mean, BUSIEST_SHARE,
+         r.busiest_over_mean <= BUSIEST_SHARE),
+    ]  # fmt: skip
+    return text, checks
+
+
+def cost_part() -> tuple[str, list[Check]]:
+    from local_fleet.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    try:
+        results: list[CostResult] = [
+            asyncio.run(redis_cost(server.url, n, capacity_tokens=COST_CAPACITY))
+            for n in COST_POOLS
+        ]
+    finally:
+        server.stop()
+    lines = [
+        "| instances | blocks per request | HMGET µs | record_prefix µs | total µs |",
+        "|---:|---:|---:|---:|---:|",
+        *(
+            f"| {r.instances:,} | {r.blocks} | {r.lookup_us:.1f} | {r.record_us:.1f} "
+            f"| {r.total_us:.1f} |"
+            for r in results
+        ),
+    ]
+    checks: list[Check] = [
+        (f"index Redis CPU per request <= 30 µs at {r.instances:,} instances", r.total_us,
+         COST_US, r.total_us <= COST_US)
+        for r in results
+    ]  # fmt: skip
+    return "\n".join(lines), checks
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mooncake", type=Path, default=MOONCAKE, help="trace with hash_ids")
@@ -267,6 +339,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{run.offset}, engine prefix cache {capacities[0]:,} tokens, speed "
             f"{run.config.rate:g}\n\n{table}\n\n{checks_list(checks)}"
         )
+        log("live: follow-up turns")
+        text, checks = turns_part(args.instances, args.nodes)
+        summary += checks
+        parts.append(f"### Live: follow-up turns\n\n{text}\n\n{checks_list(checks)}")
+    log("redis cost")
+    table, checks = cost_part()
+    summary += checks
+    parts.append(
+        "### Redis cost of the index\n\nRedis CPU per request (`INFO commandstats` "
+        "usec_per_call on a private server) for the decision's `HMGET` and the "
+        f"`record_prefix` call, 30 blocks per request (Mooncake's mean prompt), every "
+        f"instance's index full at {COST_CAPACITY:,} tokens. This adds to the "
+        "decision's flat cost (docs/scaling.md): the lookup is one command of fixed "
+        "size and the record touches only the chosen instance's entries, whatever "
+        f"the pool size.\n\n{table}\n\n{checks_list(checks)}"
+    )
     seconds = time.monotonic() - started
     text = section(command, parts, summary, args, seconds)
     print(text)

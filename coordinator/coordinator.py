@@ -608,12 +608,13 @@ class Coordinator:
             ]
             for c in candidates:
                 row = self._cache.rows[c.id]
+                slack = self._affinity_slack(c.spec, ranked_as)
                 args += [
                     c.id,
                     c.spec.prefill_ms(request.uncached_on(c.id)),
                     c.spec.decode_ms(expected),
-                    row.inflight,
-                    row.pending_prefill,
+                    row.inflight + slack,
+                    row.pending_prefill + slack,
                 ]
             reply = await self._call("reserve", args, (self._node_rids,))
             status = str(reply[0])
@@ -656,6 +657,24 @@ class Coordinator:
             return request
         cached = guarded_cached_tokens(request.cached_tokens, backlogs.get, floor, guard_ms)
         return replace(request, cached_tokens=cached)
+
+    def _affinity_slack(self, spec: InstanceSpec, request: RequestShape) -> int:
+        """Requests a candidate may gain before reserve passes it over: what its cache
+        credit outweighs in the score. The script skips a candidate that got busier
+        since the view was read (anti-herding); without this, any other node's request
+        to the instance holding a conversation's prefix would send the next turn away.
+        """
+        cached = request.cached_on(spec.id)
+        if not cached:
+            return 0
+        w = self.settings.weights
+        per_request = w.inflight + w.pending_prefill
+        saved_ms = spec.prefill_ms(request.prompt_tokens) - spec.prefill_ms(
+            request.prompt_tokens - cached
+        )
+        if per_request <= 0 or saved_ms <= 0:
+            return 0
+        return int(saved_ms * w.ttft_ms / per_request)
 
     def _rank_for_reserve(
         self, strategy: str | None, skip: frozenset[str], request: RequestShape

@@ -160,3 +160,22 @@ async def test_reserve_follows_the_cache_until_the_guard_says_it_is_too_busy(
             await c.release(r.rid)
         await c.unregister_instance("i0")
         await c.unregister_instance("i1")
+
+
+async def test_a_stale_view_still_follows_the_cache_while_the_credit_outweighs_the_change(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Reserve passes over a candidate that got busier since the caller's view (so
+    simultaneous bursts spread); a cache credit worth more than that change keeps it."""
+    timing = {"prefill_ms_per_token": 0.1, "prefill_overhead_ms": 5.0}
+    stale = await make_coordinator("n-stale", snapshot_max_age_ms=600_000)
+    other = await make_coordinator("n-other")
+    for i in range(2):
+        await stale.register_instance(spec(i, **timing))
+    await stale.refresh()  # the view this node decides on below
+    await other.refresh()
+    taken = await other.reserve(100, 1, exclude=["i1"])  # i0 is now busier than seen
+    assert taken.instance_id == "i0"
+    # 9000 cached tokens save 900 ms, worth 900 * 0.05 / 2 = 22 requests of load.
+    res = await stale.reserve(10_000, 1, cached_tokens={"i0": 9000})
+    assert res.instance_id == "i0" and res.cached_tokens == 9000
