@@ -36,40 +36,69 @@ if not epoch then return {'gone'} end
 epoch = tonumber(epoch)
 local now = now_ms()
 
+local unpack = table.unpack or unpack
+
 local function member(owner, e, stamp, hash)
   return owner .. '#' .. string.format('%010d', e) .. '|' .. string.format('%017d', stamp)
     .. '|' .. hash
 end
 
--- Drop the entry of `owner` at epoch `epoch` from a block's owners, with its lru member.
-local function forget(hash, owner, epoch)
-  local list = redis.call('HGET', K_OWNERS, hash)
-  if not list then return end
-  local kept = {}
-  for entry in string.gmatch(list, '%S+') do
-    local o, e, stamp = string.match(entry, '^(.*)|(%d+)|(%d+)$')
-    if o == owner and tonumber(e) == epoch then
-      redis.call('ZREM', K_LRU, member(o, epoch, tonumber(stamp), hash))
-    else
-      table.insert(kept, entry)
+-- The entries of an owners value: {owner, epoch, stamp, text} each.
+local function entries(list)
+  local out = {}
+  if list then
+    for entry in string.gmatch(list, '%S+') do
+      local o, e, stamp = string.match(entry, '^(.*)|(%d+)|(%d+)$')
+      table.insert(out, {o, tonumber(e), tonumber(stamp), entry})
     end
   end
-  if #kept == 0 then
-    redis.call('HDEL', K_OWNERS, hash)
-  else
-    redis.call('HSET', K_OWNERS, hash, table.concat(kept, ' '))
-  end
+  return out
 end
 
--- Delete lru members in [lo, hi) (at most `budget`) with their owner entries.
+-- Write back owners values: non-empty ones in one HSET, empty ones in one HDEL.
+local function write_owners(values)
+  local sets, dels = {}, {}
+  for hash, list in pairs(values) do
+    if #list == 0 then
+      table.insert(dels, hash)
+    else
+      local texts = {}
+      for _, entry in ipairs(list) do table.insert(texts, entry[4]) end
+      table.insert(sets, hash)
+      table.insert(sets, table.concat(texts, ' '))
+    end
+  end
+  if #sets > 0 then redis.call('HSET', K_OWNERS, unpack(sets)) end
+  if #dels > 0 then redis.call('HDEL', K_OWNERS, unpack(dels)) end
+end
+
+-- Delete lru members in [lo, hi) (at most `budget`) and their owner entries, in a
+-- fixed number of calls whatever their count.
 local function drop_range(lo, hi, budget)
   if budget <= 0 then return 0 end
   local members = redis.call('ZRANGEBYLEX', K_LRU, lo, hi, 'LIMIT', 0, budget)
+  if #members == 0 then return 0 end
+  local parsed, hashes, seen = {}, {}, {}
   for _, m in ipairs(members) do
     local owner, e, hash = string.match(m, '^(.*)#(%d+)|%d+|(%x+)$')
-    forget(hash, owner, tonumber(e))
-    redis.call('ZREM', K_LRU, m)  -- also when the owner entry was already gone
+    table.insert(parsed, {owner, tonumber(e), hash})
+    if not seen[hash] then
+      seen[hash] = true
+      table.insert(hashes, hash)
+    end
   end
+  local values = {}
+  local lists = redis.call('HMGET', K_OWNERS, unpack(hashes))
+  for i, hash in ipairs(hashes) do values[hash] = entries(lists[i] or nil) end
+  for _, p in ipairs(parsed) do
+    local kept = {}
+    for _, entry in ipairs(values[p[3]]) do
+      if not (entry[1] == p[1] and entry[2] == p[2]) then table.insert(kept, entry) end
+    end
+    values[p[3]] = kept
+  end
+  write_owners(values)
+  redis.call('ZREM', K_LRU, unpack(members))
   return #members
 end
 
@@ -90,39 +119,35 @@ if sample then
 end
 
 local recorded = 0
-if capacity > 0 then
-  local mine = id .. '|' .. string.format('%d', epoch) .. '|'
-  local updates, adds = {}, {}
-  for i = 1, n do
-    local hash = ARGV[3 + i]
+if capacity > 0 and n > 0 then
+  local hashes = {}
+  for i = 1, n do hashes[i] = ARGV[3 + i] end
+  local lists = redis.call('HMGET', K_OWNERS, unpack(hashes))
+  local values, stale, adds = {}, {}, {}
+  for i, hash in ipairs(hashes) do
     local stamp = now * 1000 + 999 - (i - 1)
     local kept = {}
-    local list = redis.call('HGET', K_OWNERS, hash)
-    if list then
-      for entry in string.gmatch(list, '%S+') do
-        local o, e, s = string.match(entry, '^(.*)|(%d+)|(%d+)$')
-        if o == id then
-          redis.call('ZREM', K_LRU, member(o, tonumber(e), tonumber(s), hash))
-        else
-          table.insert(kept, entry)
-        end
+    for _, entry in ipairs(entries(lists[i] or nil)) do
+      if entry[1] == id then  -- this instance's older entry (any epoch): replaced
+        table.insert(stale, member(entry[1], entry[2], entry[3], hash))
+      else
+        table.insert(kept, entry)
       end
     end
-    table.insert(kept, mine .. string.format('%d', stamp))
+    table.insert(kept, {id, epoch, stamp, id .. '|' .. string.format('%d', epoch) .. '|'
+      .. string.format('%d', stamp)})
     while #kept > max_owners do
-      local o, e, s = string.match(table.remove(kept, 1), '^(.*)|(%d+)|(%d+)$')
-      redis.call('ZREM', K_LRU, member(o, tonumber(e), tonumber(s), hash))
+      local gone = table.remove(kept, 1)
+      table.insert(stale, member(gone[1], gone[2], gone[3], hash))
     end
-    table.insert(updates, hash)
-    table.insert(updates, table.concat(kept, ' '))
+    values[hash] = kept
     table.insert(adds, 0)
     table.insert(adds, member(id, epoch, stamp, hash))
-    recorded = recorded + 1
   end
-  if recorded > 0 then
-    redis.call('HSET', K_OWNERS, (table.unpack or unpack)(updates))
-    redis.call('ZADD', K_LRU, (table.unpack or unpack)(adds))
-  end
+  if #stale > 0 then redis.call('ZREM', K_LRU, unpack(stale)) end
+  write_owners(values)
+  redis.call('ZADD', K_LRU, unpack(adds))
+  recorded = n
 end
 
 -- Keep the instance within its capacity, oldest first.
