@@ -119,14 +119,21 @@ class CostResult:
     """Redis CPU per request of the prefix index at one pool size (µs)."""
 
     instances: int
-    blocks: int  # blocks per request (looked up and recorded)
+    case: str  # what the requests are
     lookup_us: float  # one HMGET
     record_us: float  # one record_prefix (EVALSHA)
+    records_per_request: float  # a request whose blocks were all held records nothing
 
     @property
     def total_us(self) -> float:
         """What the index adds to a request's Redis work."""
-        return self.lookup_us + self.record_us
+        return self.lookup_us + self.record_us * self.records_per_request
+
+
+def _held_text(instance: int, k: int, blocks: int, chars: int) -> str:
+    """Text of conversation k of an instance, `blocks` blocks long (a longer one
+    extends a shorter one, as a follow-up turn does)."""
+    return f"{instance}:{k}:" + "x" * (chars * blocks)
 
 
 async def redis_cost(
@@ -134,48 +141,66 @@ async def redis_cost(
     instances: int,
     *,
     blocks: int = 30,
-    requests: int = 2000,
-    capacity_tokens: int = 400_000,
+    added: int = 2,
+    requests: int = 1000,
+    capacity_tokens: int = 100_000,
     seed: int = 0,
-) -> CostResult:
-    """Fill every instance's index to capacity, then time lookups and records."""
+) -> list[CostResult]:
+    """Fill every instance's index to capacity with `blocks`-block conversations, then
+    time what a node does per request: the lookup, and the record on the instance it
+    chose, for follow-up turns (`added` new blocks on a held conversation, sent to
+    its holder) and for new prompts (`blocks` blocks nobody holds)."""
     pool = f"cost-{instances}-{random.Random(seed).getrandbits(32):08x}"
     settings = Settings(prefix_cache_tokens=capacity_tokens)
+    chars = settings.prefix_block_chars
     redis = Redis.from_url(redis_url)
     coordinator = Coordinator(redis, pool=pool, node_id="cost", settings=settings)
+    prefix = coordinator.prefix
+    key = salt_key(pool, "")
+    out = []
     try:
         for i in range(instances):
             await coordinator.register_instance(
                 InstanceSpec(id=f"i{i}", url=f"http://127.0.0.1:{9000 + i}")
             )
         await coordinator.refresh()
-        key = salt_key(pool, "")
-        rng = random.Random(seed)
-        per_instance = capacity_tokens // coordinator.prefix.block_tokens
-        # Conversations of `blocks` blocks; each instance ends up at its capacity.
+        held_each = capacity_tokens // prefix.block_tokens // blocks
         for i in range(instances):
-            for k in range(per_instance // blocks + 1):
-                text = f"{i}:{k}:" + "x" * (settings.prefix_block_chars * blocks)
-                hashes = block_hashes(text, key, settings.prefix_block_chars, blocks)
-                await coordinator.prefix.record(f"i{i}", hashes)
-        await redis.config_resetstat()
-        for _ in range(requests):
-            i = rng.randrange(instances)
-            text = f"{i}:{rng.randrange(per_instance // blocks)}:" + "x" * (
-                settings.prefix_block_chars * blocks
+            for k in range(held_each):
+                text = _held_text(i, k, blocks, chars)
+                await prefix.record(f"i{i}", block_hashes(text, key, chars, blocks))
+        rng = random.Random(seed)
+        fresh = held_each
+        for case in (
+            f"follow-up turn: +{added} blocks on a held {blocks}",
+            f"new {blocks}-block prompt",
+        ):
+            await redis.config_resetstat()
+            for _ in range(requests):
+                i = rng.randrange(instances)
+                if case.startswith("new"):
+                    fresh += 1
+                    text, size = _held_text(i, fresh, blocks, chars), blocks
+                else:
+                    size = blocks + added
+                    text = _held_text(i, rng.randrange(held_each), size, chars)
+                hashes = block_hashes(text, key, chars, size)
+                found = await prefix.cached_tokens(hashes)
+                await prefix.record(f"i{i}", hashes, found.get(f"i{i}", 0))
+            stats = await redis.info("commandstats")
+            evalsha = stats.get("cmdstat_evalsha", {"usec_per_call": 0.0, "calls": 0})
+            out.append(
+                CostResult(
+                    instances,
+                    case,
+                    float(stats["cmdstat_hmget"]["usec_per_call"]),
+                    float(evalsha["usec_per_call"]),
+                    int(evalsha["calls"]) / requests,
+                )
             )
-            hashes = block_hashes(text, key, settings.prefix_block_chars, blocks)
-            await coordinator.prefix.cached_tokens(hashes)
-            await coordinator.prefix.record(f"i{rng.randrange(instances)}", hashes)
-        stats = await redis.info("commandstats")
     finally:
         keys = [k async for k in redis.scan_iter(match=coordinator.keys.pattern(), count=1000)]
         if keys:
             await redis.delete(*keys)
         await redis.aclose()
-    return CostResult(
-        instances,
-        blocks,
-        float(stats["cmdstat_hmget"]["usec_per_call"]),
-        float(stats["cmdstat_evalsha"]["usec_per_call"]),
-    )
+    return out

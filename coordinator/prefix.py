@@ -98,21 +98,20 @@ def parse_owners(raw: str) -> list[tuple[str, int]]:
 def cached_blocks(
     owner_values: Sequence[str | None], epoch_of: Callable[[str], int | None]
 ) -> dict[str, int]:
-    """Leading blocks each instance holds, from the owners of a prompt's blocks in order.
+    """Blocks of the prompt each instance holds, from the owners of its blocks in order.
 
-    An entry counts only at the instance's current epoch (a restart empties the
-    engine's cache, and so voids the index at once). A block counts only while every
-    block before it counts too: a cache holds prefixes, never a block without its head.
+    An instance holding block i holds the prompt up to the end of block i: the hash
+    chains over everything before it, and an engine's cache drops a prefix's tail
+    before its head. So the credit is the deepest block held, even where shallower
+    entries of the index were evicted first (a node refreshes only the blocks it
+    adds, see `PrefixIndex.record`). An entry counts only at the instance's current
+    epoch: a restart empties the engine's cache, and so voids the index at once.
     """
     held: dict[str, int] = {}
-    active: set[str] | None = None
-    for position, raw in enumerate(owner_values):
-        here = {o for o, e in parse_owners(raw or "") if epoch_of(o) == e}
-        active = here if active is None else active & here
-        if not active:
-            break
-        for owner in active:
-            held[owner] = position + 1
+    for position in range(len(owner_values) - 1, -1, -1):
+        for owner, epoch in parse_owners(owner_values[position] or ""):
+            if owner not in held and epoch_of(owner) == epoch:
+                held[owner] = position + 1
     return held
 
 

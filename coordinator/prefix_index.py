@@ -18,6 +18,7 @@ from coordinator.keys import PoolKeys
 from coordinator.prefix import block_hashes, block_tokens, cached_blocks, canonical_prompt, salt_key
 from coordinator.settings import Settings
 
+SAMPLE_EVERY = 8  # one record call in this many also reclaims void entries (a sample)
 CallScript = Callable[[str, list[Any], tuple[str | bytes, ...]], Any]
 
 
@@ -47,6 +48,7 @@ class PrefixIndex:
         # Expected cached tokens per instance of the last request this node looked up
         # (numbers only), for /debug/instance_loads and the dashboard.
         self.last_lookup: dict[str, int] = {}
+        self._records = 0
 
     @property
     def enabled(self) -> bool:
@@ -91,14 +93,28 @@ class PrefixIndex:
             iid: int(n) * self.block_tokens for (iid, _), n in zip(instances, counts, strict=True)
         }
 
-    async def record(self, instance_id: str, hashes: Sequence[str]) -> None:
-        """Record that `instance_id` now holds these blocks (best effort)."""
-        if not hashes:
-            return
+    async def record(self, instance_id: str, hashes: Sequence[str], held_tokens: int = 0) -> None:
+        """Record that `instance_id` now holds these blocks (best effort).
+
+        `held_tokens` is what the lookup found the instance holding already: only the
+        deepest block it held (refreshed) and the new ones after it are sent, so a
+        conversation's next turn costs the blocks it adds, not its whole history.
+        """
+        held = held_tokens // self.block_tokens
+        if held >= len(hashes):
+            return  # nothing new (or nothing at all): every block was held already
+        hashes = hashes[max(0, held - 1) :]
         capacity = self._capacity_tokens(instance_id)
         if capacity is None:
             capacity = self._settings.prefix_cache_tokens
-        args = [instance_id, capacity // self.block_tokens, self._settings.prefix_max_owners]
+        self._records += 1
+        sample = int(self._records % SAMPLE_EVERY == 1)
+        args = [
+            instance_id,
+            capacity // self.block_tokens,
+            self._settings.prefix_max_owners,
+            sample,
+        ]
         try:
             await self._call("record_prefix", [*args, *hashes], (self._owners, self._lru))
         except CoordinationUnavailableError:

@@ -245,7 +245,8 @@ class Exchange:
                     *sizes, rid=self.rid, exclude=excluded, cached_tokens=self.cached_tokens
                 )
             # Spawned: the next turn of this conversation may already be on its way.
-            self.state.spawn(prefix.record(res.instance_id, self.prefix_hashes))
+            held = self.cached_tokens.get(res.instance_id, 0)
+            self.state.spawn(prefix.record(res.instance_id, self.prefix_hashes, held))
             return res
         except NoInstanceError as exc:
             if failure is not None:

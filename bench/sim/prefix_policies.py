@@ -1,10 +1,11 @@
 """Prefix-aware routing in the simulator: the node's shared index, and baselines.
 
-`SharedPrefixIndex` is lua/record_prefix.lua's model in memory: per instance an LRU
-of block ids bounded by the instance's capacity (a prompt's blocks queued tail
-first, so a prefix loses its tail before its head), each block remembering its
-`max_owners` most recent instances, and a lookup that counts the leading blocks each
-instance holds. tests/benchmarks/test_sim_prefix.py checks it against the script.
+`SharedPrefixIndex` is the node's index (lua/record_prefix.lua, coordinator/prefix.py)
+in memory: per instance an LRU of block ids bounded by the instance's capacity (a
+prompt's blocks queued tail first), each block remembering its `max_owners` most
+recent instances; a node records the deepest block the instance held and the ones
+after it, and a lookup credits each instance with the deepest block it holds.
+tests/benchmarks/test_sim_prefix.py checks it against the real index on a server.
 
 Baselines (each one node's choice from the same shared information):
 
@@ -43,10 +44,12 @@ class SharedPrefixIndex:
         """Blocks the index holds for an instance."""
         return len(self._lru.get(instance, ()))
 
-    def record(self, instance: str, blocks: Sequence[Hashable]) -> None:
-        """The chosen instance now holds these blocks (LRU, bounded)."""
-        if self.capacity_blocks <= 0:
+    def record(self, instance: str, blocks: Sequence[Hashable], held: int = 0) -> None:
+        """The chosen instance now holds these blocks (LRU, bounded); `held` leading
+        blocks of them it held already (only the deepest of those is refreshed)."""
+        if self.capacity_blocks <= 0 or held >= len(blocks):
             return
+        blocks = blocks[max(0, held - 1) :]
         lru = self._lru.setdefault(instance, OrderedDict())
         for block in reversed(blocks):
             owners = self._owners.setdefault(block, [])
@@ -67,16 +70,12 @@ class SharedPrefixIndex:
     def cached_blocks(
         self, blocks: Sequence[Hashable], max_blocks: int = 1 << 30
     ) -> dict[str, int]:
-        """Leading blocks each instance holds (instances holding none are absent)."""
+        """Blocks each instance holds: its deepest block held (instances with none absent)."""
         held: dict[str, int] = {}
-        active: set[str] | None = None
-        for position, block in enumerate(blocks[:max_blocks]):
-            here = set(self._owners.get(block, ()))
-            active = here if active is None else active & here
-            if not active:
-                break
-            for owner in active:
-                held[owner] = position + 1
+        looked = blocks[:max_blocks]
+        for position in range(len(looked) - 1, -1, -1):
+            for owner in self._owners.get(looked[position], ()):
+                held.setdefault(owner, position + 1)
         return held
 
 

@@ -382,10 +382,9 @@ class Simulation:
         node = self.nodes[n]
         now = int(req.arrival_ms)
         expected = self._expected_output(node, req)
-        prefix_aware = (
-            self.strategy in PREFIX_STRATEGIES and self.strategy != "least_load_no_affinity"
-        )
+        prefix_aware = self.strategy in PREFIX_STRATEGIES
         cached: dict[str, int] = {}
+        held: dict[str, int] = {}
         if prefix_aware and req.blocks:
             held = self.prefix_index.cached_blocks(req.blocks, self.config.prefix_max_blocks)
             cached = {
@@ -400,7 +399,8 @@ class Simulation:
         self.queued_prefill[k] += uncached
         self.active_tokens[k] += req.prompt_tokens + expected
         if prefix_aware:
-            self.prefix_index.record(self.ids[k], req.blocks[: self.config.prefix_max_blocks])
+            blocks = req.blocks[: self.config.prefix_max_blocks]
+            self.prefix_index.record(self.ids[k], blocks, held.get(self.ids[k], 0))
         if self.strategy in SHARED:
             spec = self.specs[k]
             self.state.reserve(

@@ -14,7 +14,9 @@
 -- ARGV[1] = instance id
 -- ARGV[2] = capacity: blocks kept for the instance (integer >= 0; 0 = record nothing)
 -- ARGV[3] = max_owners: instances kept per block (integer 1..64)
--- ARGV[4..] = block hashes, in prompt order (at most 512, 1..64 chars of [0-9a-f])
+-- ARGV[4] = sample (1 = also reclaim void entries of one sampled member; nodes ask
+--   on a share of their calls, which keeps the index bounded at a fraction of the cost)
+-- ARGV[5..] = block hashes, in prompt order (at most 512, 1..64 chars of [0-9a-f])
 -- returns {'ok', recorded, evicted, reclaimed} | {'gone'} (the id is not registered)
 local K_OWNERS, K_LRU = KEYS[22], KEYS[23]
 local RECLAIM_BUDGET = 256  -- void entries one call may delete
@@ -24,11 +26,12 @@ local capacity = int_arg(ARGV[2], 1e9)
 if capacity == nil then return fail('bad_arg', 'capacity must be an integer >= 0') end
 local max_owners = int_arg(ARGV[3], 64)
 if max_owners == nil or max_owners < 1 then return fail('bad_arg', 'max_owners in 1..64') end
-local n = #ARGV - 3
+if ARGV[4] ~= '0' and ARGV[4] ~= '1' then return fail('bad_arg', 'sample must be 0 or 1') end
+local n = #ARGV - 4
 if n > 512 then return fail('bad_arg', 'at most 512 block hashes') end
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   if not string.find(ARGV[i], '^[0-9a-f]+$') or #ARGV[i] > 64 then
-    return fail('bad_arg', 'block hash ' .. (i - 3))
+    return fail('bad_arg', 'block hash ' .. (i - 4))
   end
 end
 local epoch = redis.call('HGET', K_EPOCH, id)
@@ -107,7 +110,7 @@ end
 -- storage it still holds, so every void entry goes away eventually).
 local reclaimed = drop_range('[' .. id .. '#', '(' .. id .. '#' .. string.format('%010d', epoch),
   RECLAIM_BUDGET)
-local sample = redis.call('ZRANDMEMBER', K_LRU, 1)[1]
+local sample = ARGV[4] == '1' and redis.call('ZRANDMEMBER', K_LRU, 1)[1]
 if sample then
   local owner, e = string.match(sample, '^(.*)#(%d+)|')
   local current = redis.call('HGET', K_EPOCH, owner)
@@ -121,7 +124,7 @@ end
 local recorded = 0
 if capacity > 0 and n > 0 then
   local hashes = {}
-  for i = 1, n do hashes[i] = ARGV[3 + i] end
+  for i = 1, n do hashes[i] = ARGV[4 + i] end
   local lists = redis.call('HMGET', K_OWNERS, unpack(hashes))
   local values, stale, adds = {}, {}, {}
   for i, hash in ipairs(hashes) do
@@ -150,11 +153,12 @@ if capacity > 0 and n > 0 then
   recorded = n
 end
 
--- Keep the instance within its capacity, oldest first.
+-- Keep the instance within its capacity, oldest first; evicting only once it is an
+-- eighth over (at most 16 blocks) spreads that work over several calls.
 local stem = id .. '#' .. string.format('%010d', epoch)
 local over = redis.call('ZLEXCOUNT', K_LRU, '[' .. stem .. '|', '(' .. stem .. '}') - capacity
 local evicted = 0
-if over > 0 then
+if over > math.min(16, math.floor(capacity / 8)) then
   evicted = drop_range('[' .. stem .. '|', '(' .. stem .. '}', math.min(over, 1024))
 end
 return {'ok', recorded, evicted, reclaimed}

@@ -123,6 +123,7 @@ LAYOUTS: dict[str, list[Any]] = {
         st.sampled_from(INSTANCES) | ids,
         st.integers(0, 10**6).map(str),
         st.integers(1, 64).map(str),
+        flags,
     ],
 }
 block_hash = st.text("0123456789abcdef", min_size=1, max_size=16)
@@ -354,7 +355,7 @@ BASE_CALLS: dict[str, list[str]] = {
     "record_outcome": ["i0", "fail", "1", "10000", "100", "1000", "50", "10000", "status_500"],
     "read_outliers": [],
     "store_hints": ["i0", "1.5", "", "2"],
-    "record_prefix": ["i0", "1000", "8", "0a1b", "ff00"],
+    "record_prefix": ["i0", "1000", "8", "1", "0a1b", "ff00"],
 }
 SWEEP_VALUES = ["-0", "-0.0", "-1", "0x10", " 5", "1e3", "1.5", "nan", "inf", "", "{", "x" * 129]
 

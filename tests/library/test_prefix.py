@@ -77,12 +77,13 @@ def test_completion_prompts_and_other_bodies() -> None:
     assert canonical_prompt({}) == ""
 
 
-def test_cached_blocks_counts_leading_blocks_at_the_current_epoch() -> None:
+def test_cached_blocks_credits_the_deepest_block_held_at_the_current_epoch() -> None:
     epochs = {"a": 1, "b": 2}.get
     owners = ["a|1|9 b|2|9 c|1|9", "a|1|8 b|1|8", None, "a|1|7"]
-    # c is not registered, b's second block is from an older epoch, the third block
-    # has no owner: a holds 2 leading blocks, b 1.
-    assert cached_blocks(owners, epochs) == {"a": 2, "b": 1}
+    # c is not registered and b's second block is from an older epoch: b holds 1
+    # block. a holds block 4, so the prompt up to its end (chained hashes), although
+    # the index lost its entry for block 3.
+    assert cached_blocks(owners, epochs) == {"a": 4, "b": 1}
     assert cached_blocks([], epochs) == {}
     assert parse_owners("x:y|3|12 bad z|q|1") == [("x:y", 3)]
 

@@ -110,8 +110,8 @@ async def test_an_unregistered_instance_is_reclaimed_by_later_records(
     await c.unregister_instance("i1")
     await c.refresh()
     assert await c.prefix.cached_tokens(hashes(c, "a")) == {}
-    # Each record samples one member; i1 holds 3 of 4, so this ends in a few calls
-    # (the chance that 200 samples all miss it is below 1e-100).
+    # Every 8th record samples one member; i1 holds 3 of 4, so this ends within a few
+    # samples (the chance that all 25 of 200 calls miss it is below 1e-15).
     for _ in range(200):
         if not any(m.startswith("i1#") for m in await lru_members(c)):
             break
@@ -133,10 +133,12 @@ async def test_bad_arguments_are_refused(make_coordinator: MakeCoordinator) -> N
     c = await setup(make_coordinator)
     keys = (c.keys.prefix_owners(), c.keys.prefix_lru())
     with pytest.raises(ScriptArgumentError):
-        await c._direct_call("record_prefix", ["i0", 10, 8, "not-hex"], keys)
+        await c._direct_call("record_prefix", ["i0", 10, 8, 0, "not-hex"], keys)
     with pytest.raises(ScriptArgumentError):
-        await c._direct_call("record_prefix", ["i0", -1, 8, "ab"], keys)
-    reply = await c._direct_call("record_prefix", ["nobody", 10, 8, "ab"], keys)
+        await c._direct_call("record_prefix", ["i0", -1, 8, 0, "ab"], keys)
+    with pytest.raises(ScriptArgumentError):
+        await c._direct_call("record_prefix", ["i0", 10, 8, 2, "ab"], keys)
+    reply = await c._direct_call("record_prefix", ["nobody", 10, 8, 0, "ab"], keys)
     assert [str(x) for x in reply] == ["gone"]
 
 
@@ -179,3 +181,24 @@ async def test_a_stale_view_still_follows_the_cache_while_the_credit_outweighs_t
     # 9000 cached tokens save 900 ms, worth 900 * 0.05 / 2 = 22 requests of load.
     res = await stale.reserve(10_000, 1, cached_tokens={"i0": 9000})
     assert res.instance_id == "i0" and res.cached_tokens == 9000
+
+
+async def test_a_follow_up_records_only_the_blocks_it_adds(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    c = await setup(make_coordinator)
+    first = hashes(c, "a", "b", "c")
+    await c.prefix.record("i0", first)
+    follow_up = hashes(c, "a", "b", "c", "d", "e")
+    held = (await c.prefix.cached_tokens(follow_up))["i0"]
+    assert held == 3 * TOKENS
+    before = {m.rsplit("|", 1)[1]: m for m in await lru_members(c)}
+    await c.prefix.record("i0", follow_up, held)
+    after = {m.rsplit("|", 1)[1]: m for m in await lru_members(c)}
+    # The head it already had is untouched, its deepest block refreshed, two added.
+    assert sorted(after) == sorted(follow_up)
+    assert [after[h] == before[h] for h in first] == [True, True, False]
+    assert await c.prefix.cached_tokens(follow_up) == {"i0": 5 * TOKENS}
+    # Nothing new: no call at all (the index is left as it is).
+    await c.prefix.record("i0", follow_up, 5 * TOKENS)
+    assert {m.rsplit("|", 1)[1]: m for m in await lru_members(c)} == after
