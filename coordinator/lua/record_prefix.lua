@@ -4,9 +4,10 @@
 --   most recent last; nodes HMGET it at decision time (coordinator/prefix_index.py);
 -- - lru: lex zset "<id>#<epoch:010d>|<stamp:017d>|<hash>", so one instance's current
 --   epoch is one lex range in LRU order; its size is bounded by the capacity.
--- stamp = now_ms * 1000 + 999 - position: newer first, and within one request the
--- deeper blocks are older, so eviction takes a prefix's tail before its head (as an
--- engine's cache does). Entries of an older epoch are void at once (lookups compare
+-- stamp = call * 1000 + 999 - position, `call` counting this pool's record calls
+-- (meta `prefix_calls`): later calls are newer, even within one millisecond, and
+-- within one call the deeper blocks are older, so eviction takes a prefix's tail
+-- before its head (as an engine's cache does). Entries of an older epoch are void at once (lookups compare
 -- epochs) and their storage is reclaimed here in bounded steps.
 -- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
 -- KEYS[22] = {pool}:prefix_owners  hash, as above
@@ -37,7 +38,6 @@ end
 local epoch = redis.call('HGET', K_EPOCH, id)
 if not epoch then return {'gone'} end
 epoch = tonumber(epoch)
-local now = now_ms()
 
 local unpack = table.unpack or unpack
 
@@ -126,9 +126,10 @@ if capacity > 0 and n > 0 then
   local hashes = {}
   for i = 1, n do hashes[i] = ARGV[4 + i] end
   local lists = redis.call('HMGET', K_OWNERS, unpack(hashes))
+  local call = redis.call('HINCRBY', K_META, 'prefix_calls', 1)
   local values, stale, adds = {}, {}, {}
   for i, hash in ipairs(hashes) do
-    local stamp = now * 1000 + 999 - (i - 1)
+    local stamp = call * 1000 + 999 - (i - 1)
     local kept = {}
     for _, entry in ipairs(entries(lists[i] or nil)) do
       if entry[1] == id then  -- this instance's older entry (any epoch): replaced
