@@ -183,22 +183,27 @@ async def _passive_health_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    """GET /healthz: node identity, coordination state, alive instances."""
+    """GET /healthz: node identity, coordination state, alive instances.
+
+    503 with status `draining` once the node is shutting down (readiness fails).
+    """
     service = service_of(request.app)
     coordinator = service[COORDINATOR]
     snap = await coordinator.snapshot()
     ejected = service[HEALTH].ejected_ids()
     alive = [row for row in snap.rows if row.alive]
+    draining = service[STATE].draining
     return web.json_response(
         {
-            "status": "ok",
+            "status": "draining" if draining else "ok",
             "node_id": coordinator.node_id,
             "pool": coordinator.pool,
             "coordination": coordinator.coordination,
             # alive: the engine answered within the instance TTL (docs/reliability.md)
             "alive_instances": len(alive),
             "ejected_instances": sum(1 for row in alive if row.id in ejected),
-        }
+        },
+        status=503 if draining else 200,
     )
 
 

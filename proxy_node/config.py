@@ -42,6 +42,7 @@ ENV_VARS: dict[str, tuple[str, ...]] = {
     "header_timeout_s": ("COORD_HEADER_TIMEOUT_S",),
     "max_connections": ("COORD_MAX_CONNECTIONS",),
     "drain_timeout_s": ("COORD_DRAIN_TIMEOUT_S",),
+    "drain_delay_s": ("COORD_DRAIN_DELAY_S",),
     "eject_consecutive_failures": ("COORD_EJECT_CONSECUTIVE_FAILURES",),
     "eject_failure_window_s": ("COORD_EJECT_FAILURE_WINDOW_S",),
     "eject_base_s": ("COORD_EJECT_BASE_S",),
@@ -62,6 +63,7 @@ FLOAT_FIELDS = frozenset(
         "idle_timeout_s",
         "header_timeout_s",
         "drain_timeout_s",
+        "drain_delay_s",
         "eject_failure_window_s",
         "eject_base_s",
         "eject_max_s",
@@ -113,6 +115,7 @@ class NodeConfig:
     # arrive within this; slowloris connections are closed
     max_connections: int = 0  # open client connections per plane (0 = half the open-file limit)
     drain_timeout_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
+    drain_delay_s: float = 0.0  # on SIGTERM, keep serving (but not ready) this long first
     eject_consecutive_failures: int = 5  # failures in a row that eject an instance (0 = off)
     eject_failure_window_s: float = (
         10.0  # failures further apart do not add up (nginx fail_timeout)
@@ -190,6 +193,10 @@ class NodeConfig:
                 "token: anyone who reaches it could register engines and receive prompts. "
                 "Set --token (COORD_TOKEN), bind --control-host 127.0.0.1, or pass "
                 "--insecure-open-control-plane to accept the risk"
+            )
+        if not _finite(self.drain_delay_s) or self.drain_delay_s < 0:
+            raise InvalidArgumentError(
+                f"drain_delay_s must be a number >= 0 (0 = none), got {self.drain_delay_s!r}"
             )
         if not _finite(self.scrape_interval_s) or self.scrape_interval_s < 0:
             raise InvalidArgumentError(

@@ -110,6 +110,7 @@ class Exchange:
         self.cached_tokens: dict[str, int] | None = None  # looked up once per request
         self.response: web.StreamResponse | None = None
         self._mark_handle: asyncio.TimerHandle | None = None
+        self.reserved_at = self.started  # loop time the current attempt got its reservation
 
     # ------------------------------------------------------------------ flow
 
@@ -264,6 +265,7 @@ class Exchange:
 
     async def _attempt(self, res: Reservation) -> web.StreamResponse:
         """Forward to the reserved instance while watching the client; always release."""
+        self.reserved_at = self.loop.time()
         exchange = asyncio.create_task(self._forward(res))
         watcher = asyncio.create_task(_client_gone(self.request))
         try:
@@ -415,6 +417,11 @@ class Exchange:
                 marked = True
                 self.metrics.ttft.observe(self.loop.time() - self.started)
                 if self.stream:
+                    if res.predicted_ttft_ms is not None:
+                        observed_ms = (self.loop.time() - self.reserved_at) * 1000
+                        self.metrics.observe_prediction_error(
+                            res.instance_id, res.predicted_ttft_ms, observed_ms
+                        )
                     await self._mark_first_token(res.rid)
             if counter is not None:
                 counter.feed(chunk)

@@ -16,6 +16,8 @@ from coordinator.strategies import Score
 
 DECISION_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# |observed - predicted| / observed: 0.1 = within 10 %, 1 = off by the whole TTFT
+PREDICTION_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5)
 
 # gauge name -> (help, InstanceLoad attribute)
 PRESSURE_GAUGES: dict[str, tuple[str, str]] = {
@@ -175,6 +177,13 @@ class NodeMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.ttft_prediction_error = Histogram(
+            "proxy_ttft_prediction_relative_error",
+            "Relative error of the predicted TTFT: |observed - predicted| / observed",
+            ["instance"],
+            buckets=PREDICTION_ERROR_BUCKETS,
+            registry=r,
+        )
         self.connect_retries = Counter(
             "proxy_upstream_connect_retries",
             "Requests retried on another instance after a failure that reached no client byte (refused, connect or first-byte timeout, empty answer)",
@@ -216,6 +225,15 @@ class NodeMetrics:
         self.info.info({"node_id": node_id, "pool": pool, "version": version})
         self.pressure = PressureCollector(pool)
         r.register(self.pressure)
+
+    def observe_prediction_error(
+        self, instance: str, predicted_ms: float, observed_ms: float
+    ) -> None:
+        """Record how far one reservation's predicted TTFT was from the observed one."""
+        if observed_ms <= 0:
+            return  # no relative error of an instant answer
+        error = abs(observed_ms - predicted_ms) / observed_ms
+        self.ttft_prediction_error.labels(instance).observe(error)
 
     def bind(self, coordinator: Coordinator) -> None:
         """Read coordination state and stats from this coordinator at scrape time."""

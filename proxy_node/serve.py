@@ -20,7 +20,7 @@ from coordinator.settings import STRATEGIES, Settings
 from proxy_node.app import create_app, create_control_app
 from proxy_node.config import NodeConfig
 from proxy_node.edge import AcceptErrorLog, EdgeRunner, auto_max_connections
-from proxy_node.state import METRICS
+from proxy_node.state import METRICS, STATE
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +179,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"[env COORD_DRAIN_TIMEOUT_S; default {d.drain_timeout_s:g}]",
     )
     add(
+        "--drain-delay-s",
+        type=float,
+        default=S,
+        help="on SIGTERM/SIGINT, first keep serving this long while /healthz answers 503 "
+        "draining, so that health-checking load balancers stop sending new requests "
+        f"[env COORD_DRAIN_DELAY_S; default {d.drain_delay_s:g}]",
+    )
+    add(
         "--eject-consecutive-failures",
         type=int,
         default=S,
@@ -256,6 +264,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         "header_timeout_s",
         "max_connections",
         "drain_timeout_s",
+        "drain_delay_s",
         "eject_consecutive_failures",
         "eject_failure_window_s",
         "eject_base_s",
@@ -337,11 +346,29 @@ async def serve(config: NodeConfig, stop: asyncio.Event | None = None) -> None:
                 config.bind_control,
             )
         await stop.wait()
+        await _drain_delay(service, config)
         log.info("shutting down (drain timeout %g s)", config.drain_timeout_s)
     finally:
         await control_runner.cleanup()
         await service_runner.cleanup()
         loop.set_exception_handler(previous_handler)
+
+
+async def _drain_delay(service: web.Application, config: NodeConfig) -> None:
+    """Turn not-ready (/healthz 503 draining), then keep serving for the drain delay.
+
+    A balancer that health-checks the node stops sending new requests meanwhile;
+    requests that still arrive are served. Then the listeners close (the caller).
+    """
+    service[STATE].draining = True
+    log.info(
+        "draining: /healthz answers 503; serving %g s more, then in-flight requests "
+        "get %g s to finish",
+        config.drain_delay_s,
+        config.drain_timeout_s,
+    )
+    if config.drain_delay_s > 0:
+        await asyncio.sleep(config.drain_delay_s)
 
 
 def _addresses(runner: web.AppRunner) -> str:

@@ -31,7 +31,7 @@ SERVICE_APP = web.AppKey("service_app", web.Application)
 
 @dataclass
 class NodeState:
-    """Per-node memory: the output-length average, the models cache, helper tasks."""
+    """Per-node memory: the output-length average, the models cache, helper tasks, drain."""
 
     expected_output: float = INITIAL_OUTPUT_TOKENS
     observed_outputs: int = 0
@@ -40,6 +40,7 @@ class NodeState:
     models_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # One reserve at a time per node (see forwarding.Exchange._decide).
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    draining: bool = False  # set on SIGTERM: /healthz answers 503 so balancers stop sending
 
     def expected_output_tokens(self) -> int:
         """The running average of observed output lengths, as a whole token count."""

@@ -382,27 +382,49 @@ def test_probes_call_routes_the_node_serves_on_those_ports(values_file: Path) ->
     assert container["livenessProbe"]["httpGet"]["port"] == "control"
 
 
-def node_drain_timeout_s() -> float:
-    """How long a node lets in-flight requests finish after SIGTERM (the code's default)."""
-    config = NodeConfig()
-    if hasattr(config, "drain_timeout_s"):  # once the node takes --drain-timeout-s
-        return float(config.drain_timeout_s)
-    return float(serve.SHUTDOWN_TIMEOUT_S)
-
-
 @FILES
-def test_the_grace_period_outlasts_the_pre_stop_sleep_and_the_drain(values_file: Path) -> None:
+def test_the_drain_the_chart_configures_is_the_one_the_node_runs(
+    values_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     values = values_of(values_file)
-    container = node_container(render(values))
-    pod = node_deployment(render(values))["spec"]["template"]["spec"]
-    command = container["lifecycle"]["preStop"]["exec"]["command"]
-    assert command[0] == "sleep"
-    sleep_s = float(command[1])
-    drain_s = float(values.get("drain", {}).get("timeoutSeconds", 30))
-    assert drain_s == node_drain_timeout_s(), "drain.timeoutSeconds differs from the node's"
+    objects = render(values)
+    container = node_container(objects)
+    pod = node_deployment(objects)["spec"]["template"]["spec"]
+    defaults = values_of(CHART / "values.yaml")["drain"]
+    drain = defaults | values.get("drain", {})
+    config = _node_config(container, monkeypatch)
+    assert (config.drain_delay_s, config.drain_timeout_s) == (
+        drain["delaySeconds"],
+        drain["timeoutSeconds"],
+    )
     # The kubelet kills at the grace period, counted from the preStop hook's start:
-    # the node's drain, then the last releases (NodeState.drain), must both fit.
-    assert pod["terminationGracePeriodSeconds"] > sleep_s + drain_s + state.DRAIN_TIMEOUT_S
+    # the drain delay, the in-flight drain, then the last releases (NodeState.drain).
+    budget = config.drain_delay_s + config.drain_timeout_s + state.DRAIN_TIMEOUT_S
+    assert pod["terminationGracePeriodSeconds"] > budget
+    # A draining node fails /healthz on both planes and then closes them: liveness
+    # must not restart it before the grace period ends.
+    liveness = container["livenessProbe"]
+    assert (
+        liveness["periodSeconds"] * liveness["failureThreshold"]
+        >= pod["terminationGracePeriodSeconds"]
+    )
+
+
+def test_the_pre_stop_hook_signals_the_node_process() -> None:
+    """The hook sends SIGTERM to PID 1, which is the node only in the chart's setup."""
+    objects = render({"redis": {"host": "r"}})
+    container = node_container(objects)
+    pod = node_deployment(objects)["spec"]["template"]["spec"]
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == [
+        "/bin/sh",
+        "-c",
+        "kill -TERM 1",
+    ]
+    assert "command" not in container and not pod.get("shareProcessNamespace")
+    # An exec-form ENTRYPOINT: the CLI itself is PID 1, not a shell in front of it.
+    dockerfile = (CHART.parents[2] / "Dockerfile").read_text()
+    (entrypoint,) = re.findall(r"^ENTRYPOINT (.+)$", dockerfile, re.M)
+    assert json.loads(entrypoint) == ["coordinator"]
 
 
 # ------------------------------------------------------------ Prometheus Operator objects

@@ -1,5 +1,6 @@
 """The chart's readiness probes run against a real proxy node (loopback): the exec
-probe that also fails while degraded, and the default one that does not."""
+probe that also fails while degraded, and the default one that does not; both fail
+while the node drains."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from coordinator import Coordinator, Settings
 from local_fleet.embedded import free_port
+from proxy_node.state import STATE
 from tests.deploy.chart import node_container, render
 from tests.fake_engine import Harness, NodeServer
 
@@ -92,3 +94,14 @@ async def test_exec_readiness_fails_when_nothing_listens(harness: Harness) -> No
         await runner.cleanup()
     harness.nodes.remove(node)
     assert await run_probe(command) == 1
+
+
+async def test_both_readiness_probes_fail_on_a_draining_node(harness: Harness) -> None:
+    node = await harness.node()
+    command = readiness_command(node, fail_when_degraded=True)
+    assert command is not None
+    assert await run_probe(command) == 0 and await healthz_status(node) == 200
+    node.app[STATE].draining = True  # what SIGTERM does first (proxy_node/serve.py)
+    assert await run_probe(command) == 1
+    assert readiness_command(node, fail_when_degraded=False) is None
+    assert await healthz_status(node) == 503  # the default httpGet probe fails

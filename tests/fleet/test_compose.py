@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
+from proxy_node import state
+from proxy_node.config import NodeConfig
 from tests.cross_check import known_environment, parse_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +62,18 @@ def test_topology_matches_the_local_cluster() -> None:
         env = SERVICES[name]["environment"]
         assert env["COORD_REDIS_URL"].startswith("redis://redis:")
         assert env["COORD_POOL"]
+
+
+def test_nodes_get_the_time_to_drain_before_a_kill() -> None:
+    nodes = [s for s in SERVICES.values() if s.get("command", [None])[0] == "serve"]
+    assert nodes
+    for service in nodes:
+        env = {k: str(v) for k, v in service["environment"].items()}
+        config = NodeConfig.from_env(env)
+        grace = service["stop_grace_period"]
+        assert grace.endswith("s") and grace[:-1].isdigit(), grace
+        budget = config.drain_delay_s + config.drain_timeout_s + state.DRAIN_TIMEOUT_S
+        assert int(grace[:-1]) > budget
 
 
 def test_dockerfile_installs_the_cli() -> None:

@@ -4,7 +4,8 @@ On Python 3.11 redis-py can swallow a task's cancellation (asyncio.wait_for retu
 the inner result when it finished in the same loop turn as the cancel), so a loop
 that only relies on CancelledError keeps running and shutdown waits on it forever.
 Every background loop must end anyway; `coordinator serve` must exit non-zero on a
-taken port, and stop within its drain timeout on SIGTERM.
+taken port, and on SIGTERM turn not-ready but serve on for its drain delay, then stop
+within its drain timeout.
 """
 
 from __future__ import annotations
@@ -241,6 +242,64 @@ async def test_sigterm_stops_within_the_drain_timeout(redis_url: str, pool: str)
         # The held stream's reservation was released on the way out, and the node left
         # no lease behind for peers to wait out.
         assert await client.hlen(f"lc:{{{pool}}}:reservations") == 0
+        assert await client.zcard(f"lc:{{{pool}}}:nodes") == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await session.close()
+        await engine.stop()
+        await delete_pool(client, "lc", pool)
+        await client.aclose()
+
+
+async def test_during_the_drain_delay_the_node_serves_but_is_not_ready(
+    redis_url: str, pool: str
+) -> None:
+    engine = await FakeEngine(chunks=2).start()
+    port, control = free_port(), free_port()
+    proc = await _serve(
+        "--port",
+        str(port),
+        "--control-port",
+        str(control),
+        "--drain-delay-s",
+        "3",
+        "--instance",
+        engine.url,
+        env=_env(COORD_REDIS_URL=redis_url, COORD_POOL=pool),
+    )
+    session = aiohttp.ClientSession()
+    client = Redis.from_url(redis_url)
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    try:
+
+        async def health(plane: int) -> tuple[int, str]:
+            async with session.get(f"http://127.0.0.1:{plane}/healthz") as resp:
+                return resp.status, (await resp.json())["status"]
+
+        async def up() -> bool:
+            try:
+                async with session.get(f"http://127.0.0.1:{control}/healthz") as resp:
+                    return resp.status == 200 and (await resp.json())["alive_instances"] == 1
+            except aiohttp.ClientError:
+                return False
+
+        await wait_for(up, 20, "the node to serve its static instance")
+        assert await health(port) == (200, "ok")
+        proc.send_signal(signal.SIGTERM)
+
+        async def draining() -> bool:
+            return await health(port) == (503, "draining")
+
+        await wait_for(draining, 2, "/healthz to answer 503 draining")
+        assert await health(control) == (503, "draining")
+        # Not ready, yet still serving: a balancer that has not noticed loses nothing.
+        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+        await asyncio.wait_for(proc.wait(), 20)
+        assert proc.returncode == 0
         assert await client.zcard(f"lc:{{{pool}}}:nodes") == 0
     finally:
         if proc.returncode is None:

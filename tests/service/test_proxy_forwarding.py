@@ -127,6 +127,9 @@ async def test_instance_without_timing_model_round_trip_logs_no_error(
         async with await post(harness, node, {**CHAT, "stream": stream}) as resp:
             assert resp.status == 200
             await resp.read()
+    # No prediction, no prediction error.
+    name = "proxy_ttft_prediction_relative_error_count"
+    assert await metric(harness, node.url, name, instance="e0") == 0
     await assert_settled(node)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == []
@@ -337,6 +340,29 @@ async def test_openai_client_works_unchanged(harness: Harness) -> None:
         assert "".join(p for p in parts if p) == "t0 t1 t2 "
         models = await client.models.list()
         assert [m.id for m in models.data] == ["fake-model"]
+    await assert_settled(node)
+
+
+async def test_a_streamed_first_token_measures_the_prediction_error(harness: Harness) -> None:
+    engine = await harness.engine(chunks=2, delay_s=0.3)  # first chunk >= 300 ms
+    node = await node_with(harness, engine, timing=True)
+    name = "proxy_ttft_prediction_relative_error"
+    sent = asyncio.get_running_loop().time()
+    async with await post(harness, node, {**CHAT, "stream": True}) as resp:
+        assert resp.status == 200
+        predicted_ms = float(resp.headers["X-Predicted-TTFT-Ms"])
+        await resp.content.readuntil(b"\n\n")
+        client_ttft_ms = (asyncio.get_running_loop().time() - sent) * 1000
+        await resp.read()
+    assert 0 < predicted_ms < 300
+    assert await metric(harness, node.url, f"{name}_count", instance="e0") == 1
+    # The node saw the first token between the engine's delay and the client's view.
+    error = await metric(harness, node.url, f"{name}_sum", instance="e0")
+    assert 1 - predicted_ms / 300 <= error <= 1 - predicted_ms / client_ttft_ms
+    # A non-streamed answer has no first-token signal: nothing is measured.
+    async with await post(harness, node, CHAT) as resp:
+        assert resp.status == 200
+    assert await metric(harness, node.url, f"{name}_count", instance="e0") == 1
     await assert_settled(node)
 
 

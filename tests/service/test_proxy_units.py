@@ -10,6 +10,7 @@ from multidict import CIMultiDict
 
 from proxy_node.headers import copy_response_headers, request_headers
 from proxy_node.intake import CompletionRequest, RequestRejectedError, parse_completion
+from proxy_node.metrics import NodeMetrics
 from proxy_node.state import INITIAL_OUTPUT_TOKENS, NodeState
 from proxy_node.usage import OutputCounter
 
@@ -119,3 +120,17 @@ def test_hop_by_hop_headers_are_filtered_both_ways() -> None:
         ("Set-Cookie", "a=1"),
         ("Set-Cookie", "b=2"),
     ]
+
+
+def test_prediction_error_is_relative_to_the_observed_ttft() -> None:
+    metrics = NodeMetrics("n", "p", "test")
+    metrics.observe_prediction_error("e0", predicted_ms=150.0, observed_ms=100.0)  # 0.5
+    metrics.observe_prediction_error("e0", predicted_ms=90.0, observed_ms=100.0)  # 0.1
+    metrics.observe_prediction_error("e0", predicted_ms=10.0, observed_ms=0.0)  # none
+    sample = metrics.registry.get_sample_value
+    name = "proxy_ttft_prediction_relative_error"
+    assert sample(f"{name}_count", {"instance": "e0"}) == 2
+    assert sample(f"{name}_sum", {"instance": "e0"}) == pytest.approx(0.6)
+    assert sample(f"{name}_bucket", {"instance": "e0", "le": "0.1"}) == 1
+    assert sample(f"{name}_bucket", {"instance": "e0", "le": "0.3"}) == 1
+    assert sample(f"{name}_bucket", {"instance": "e0", "le": "0.5"}) == 2
