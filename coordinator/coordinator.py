@@ -181,6 +181,7 @@ class Coordinator:
             self._epoch_of,
             self._prefix_capacity,
             UNAVAILABLE,
+            lambda: self._degraded,
         )
 
     # ------------------------------------------------------------------ lifecycle

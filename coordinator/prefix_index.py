@@ -34,6 +34,7 @@ class PrefixIndex:
         epoch_of: Callable[[str], int | None],
         capacity_tokens: Callable[[str], int | None],
         unavailable: tuple[type[BaseException], ...],
+        degraded: Callable[[], bool],
     ) -> None:
         self._redis = redis
         self._settings = settings
@@ -41,6 +42,7 @@ class PrefixIndex:
         self._epoch_of = epoch_of
         self._capacity_tokens = capacity_tokens
         self._unavailable = unavailable
+        self._degraded = degraded
         self._key = salt_key(keys.pool, settings.prefix_salt)
         self._owners = keys.prefix_owners()
         self._lru = keys.prefix_lru()
@@ -66,8 +68,8 @@ class PrefixIndex:
 
     async def cached_tokens(self, hashes: Sequence[str]) -> dict[str, int]:
         """Expected cached prompt tokens per instance (instances with none are absent)."""
-        if not hashes:
-            return {}
+        if not hashes or self._degraded():
+            return {}  # degraded: no Redis round trip (and no timeout) per request
         try:
             values = await self._redis.hmget(self._owners, list(hashes))
         except self._unavailable:

@@ -202,3 +202,20 @@ async def test_a_follow_up_records_only_the_blocks_it_adds(
     # Nothing new: no call at all (the index is left as it is).
     await c.prefix.record("i0", follow_up, 5 * TOKENS)
     assert {m.rsplit("|", 1)[1]: m for m in await lru_members(c)} == after
+
+
+async def test_a_degraded_node_does_not_ask_redis(make_coordinator: MakeCoordinator) -> None:
+    """Degraded, every lookup would wait for a Redis timeout: it answers at once."""
+    c = await setup(make_coordinator)
+    h = hashes(c, "a", "b")
+    await c.prefix.record("i0", h)
+    assert await c.prefix.cached_tokens(h) == {"i0": 2 * TOKENS}
+
+    class Refusing:
+        async def hmget(self, *args: object) -> None:
+            raise AssertionError("a degraded node sent HMGET")
+
+    c.prefix._redis = Refusing()
+    c._degraded = True  # what _enter_degraded sets (without starting its recovery task)
+    assert await c.prefix.cached_tokens(h) == {}
+    await c.prefix.record("i0", h)  # and records nothing, silently
