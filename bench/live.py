@@ -22,8 +22,16 @@ than the fleet the simulator models:
 
 - engine hints are scraped every `SCRAPE_ENGINE_MS` of engine time (the sim's
   `hint_interval_ms`) and expire after `HINT_TTL_ENGINE_MS`;
-- least_load's `backlog_ms` weight is multiplied by the speed, as the backlog the
-  nodes compute is in real ms.
+- least_load's `backlog_ms` and `ttft_ms` weights are multiplied by the speed, and
+  the prefix hot-spot guard divided by it, as the times the nodes compute are real ms.
+
+Prefix caching (`--prefix-cache-tokens`, for traces with `hash_ids`): the mock engines
+keep a prefix cache of that many tokens, and each trace block id becomes the same
+deterministic text wherever it occurs (`block_text`), so the nodes' and the engines'
+block hashing see the trace's sharing; blocks are `TRACE_BLOCK_TOKENS` tokens on both
+sides. The live `least_load` (affinity on, the node default) is then compared with
+the sim's `least_load_affinity`, and the hit rate read from the engines' vLLM prefix
+cache counters with the sim's.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -51,6 +60,7 @@ from bench.sim.report import json_ready
 from bench.sim.simulator import SimConfig, StrategyResult, compare
 from bench.sim.synthetic import load_requests, workload_name
 from bench.sim.traces import (
+    TRACE_BLOCK_TOKENS,
     TraceError,
     TraceRequest,
     offered_load,
@@ -85,6 +95,7 @@ WARMUP_PER_NODE = 4
 START_ATTEMPTS = 3  # with auto-picked ports, a start that fails is retried on a new block
 PROGRESS_EVERY_S = 2.0  # stderr progress period
 FILLER = "lorem ipsum dolor sit amet consectetur adipiscing elit "  # ASCII: 1 char = 1 byte
+BLOCK_CHARS = TRACE_BLOCK_TOKENS * CHARS_PER_TOKEN  # one trace block as text (chars/4 rule)
 
 Progress = Callable[[str], None]
 
@@ -105,6 +116,7 @@ class LiveConfig:
     seed: int = 0  # the sim's seed
     request_timeout_s: float = 120.0  # one request, real seconds (streaming included)
     start_timeout_s: float = 60.0  # cluster start-up, real seconds
+    prefix_cache_tokens: int = 0  # each mock engine's prefix cache (and the sim's); 0 = none
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.nodes < 1:
@@ -113,6 +125,8 @@ class LiveConfig:
             raise ValueError(f"speed must be a finite number > 0, got {self.speed}")
         if self.request_timeout_s <= 0 or self.start_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.prefix_cache_tokens < 0:
+            raise ValueError("prefix_cache_tokens must be >= 0")
 
     @property
     def rate(self) -> float:
@@ -135,9 +149,9 @@ class LiveConfig:
 
     @property
     def weights(self) -> Weights:
-        """least_load weights for the live nodes: backlog_ms per real ms."""
+        """least_load weights for the live nodes: backlog_ms and ttft_ms per real ms."""
         w = Weights()
-        return replace(w, backlog_ms=w.backlog_ms * self.rate)
+        return replace(w, backlog_ms=w.backlog_ms * self.rate, ttft_ms=w.ttft_ms * self.rate)
 
     def node_env(self) -> dict[str, str]:
         """COORD_* variables that put the nodes' time-based knobs on engine time."""
@@ -147,7 +161,24 @@ class LiveConfig:
             "COORD_HINT_TTL_MS": str(self.hint_ttl_ms),
             "COORD_WEIGHTS": weights,
             "COORD_REQUEST_TIMEOUT_S": repr(self.request_timeout_s),
+            "COORD_PREFIX_BLOCK_CHARS": str(BLOCK_CHARS),
+            "COORD_PREFIX_GUARD_MS": str(round(Settings().prefix_guard_ms / self.rate)),
         }
+
+    def engine_args(self) -> list[str]:
+        """Mock engine flags: the prefix cache, cut in the nodes' blocks."""
+        return [
+            "--prefix-cache-tokens",
+            str(self.prefix_cache_tokens),
+            "--prefix-block-chars",
+            str(BLOCK_CHARS),
+        ]
+
+    def sim_strategy(self, strategy: str) -> str:
+        """The sim's name for what the live nodes run under a strategy name."""
+        if strategy == "least_load" and self.prefix_cache_tokens > 0:
+            return "least_load_affinity"  # the node default: affinity on
+        return strategy
 
     def sim_config(self) -> SimConfig:
         """The simulated fleet that matches this live one, in engine time."""
@@ -158,6 +189,7 @@ class LiveConfig:
             hint_ttl_ms=round(self.hint_ttl_ms * self.rate),
             expected_output="true",  # the nodes reserve max_tokens = the true output
             seed=self.seed,
+            prefix_cache_tokens=self.prefix_cache_tokens,
         )
 
 
@@ -200,6 +232,7 @@ class LiveResult:
     replay_s: float  # real seconds from the first scheduled send to the last stream end
     output_tokens_per_s: float  # real-time streamed-token rate across the fleet
     errors: tuple[str, ...] = ()  # a few distinct failure reasons
+    prefix_hit_rate: float = math.nan  # engines' vllm:prefix_cache_hits / queries
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view."""
@@ -219,6 +252,7 @@ class LiveResult:
             "replay_s": self.replay_s,
             "output_tokens_per_s": self.output_tokens_per_s,
             "errors": list(self.errors),
+            "prefix_hit_rate": self.prefix_hit_rate,
         }
 
 
@@ -360,6 +394,23 @@ def auto_speed(requests: Sequence[TraceRequest]) -> float:
     return max(AUTO_MIN_SPEED, math.floor(speed * 10) / 10)
 
 
+@functools.lru_cache(maxsize=65536)
+def block_text(block: int) -> str:
+    """The deterministic text of one trace block id: `BLOCK_CHARS` ASCII characters."""
+    words = FILLER.split()
+    rng = random.Random(block)
+    text = f"<block {block}> " + " ".join(rng.choice(words) for _ in range(BLOCK_CHARS // 4))
+    return text[:BLOCK_CHARS]
+
+
+def trace_prompt(req: TraceRequest) -> str:
+    """A request's prompt: its blocks' texts in order (cut to its length), or filler."""
+    if not req.blocks:
+        return prompt_text(req.prompt_tokens)
+    size = req.prompt_tokens * CHARS_PER_TOKEN
+    return "".join(block_text(b) for b in req.blocks)[:size]
+
+
 def prompt_text(tokens: int) -> str:
     """Synthetic ASCII text of exactly `tokens * CHARS_PER_TOKEN` characters."""
     size = tokens * CHARS_PER_TOKEN
@@ -370,7 +421,7 @@ def build_request(req: TraceRequest, model: str = "mock") -> tuple[bytes, dict[s
     """The JSON body and headers of one replayed request (streaming chat completion)."""
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt_text(req.prompt_tokens)}],
+        "messages": [{"role": "user", "content": trace_prompt(req)}],
         "max_tokens": req.output_tokens,
         "stream": True,
     }
@@ -542,6 +593,27 @@ def _natural(text: str) -> tuple[str, int]:
 # Clusters.
 
 
+async def prefix_hit_rate(engine_urls: Sequence[str]) -> float:
+    """Cached / queried prompt tokens over the engines' vLLM prefix cache counters."""
+    hits = queries = 0.0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        for url in engine_urls:
+            async with session.get(f"{url}/metrics") as resp:
+                text = await resp.text()
+            hits += _counter(text, "vllm:prefix_cache_hits_total")
+            queries += _counter(text, "vllm:prefix_cache_queries_total")
+    return hits / queries if queries else math.nan
+
+
+def _counter(text: str, name: str) -> float:
+    """The sum of a metric's samples in a Prometheus text exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def run_strategy(
     requests: Sequence[TraceRequest],
     strategy: str,
@@ -565,6 +637,7 @@ def run_strategy(
                 pool=pool,
                 strategy=strategy,
                 node_env=config.node_env(),
+                engine_args=config.engine_args(),
             )
             if progress is not None:
                 progress(
@@ -590,13 +663,14 @@ def run_strategy(
                 progress=progress,
             )
         )
+        hit_rate = asyncio.run(prefix_hit_rate(cluster.engine_urls))
     finally:
         if cluster is not None:
             cluster.stop()
         if config.redis_url is not None:
             with contextlib.suppress(Exception):  # clean-up only: the run's result stands
                 delete_pool(config.redis_url, pool)
-    result = summarize(strategy, requests, outcomes, config.rate)
+    result = replace(summarize(strategy, requests, outcomes, config.rate), prefix_hit_rate=hit_rate)
     if progress is not None:
         progress(
             f"live: {strategy}: {result.completed}/{result.requests} completed, "
@@ -633,7 +707,7 @@ def run_live(
         if len(requests) > 1
         else math.nan
     )
-    sims = compare(requests, strategies, sim_config)
+    sims = compare(requests, [config.sim_strategy(s) for s in strategies], sim_config)
     if progress is not None:
         progress(
             "sim: " + ", ".join(f"{s.strategy} TTFT p50 {_ms(s.ttft_p50_ms)} ms" for s in sims)

@@ -51,6 +51,8 @@ from coordinator.models import (
 )
 from coordinator.outliers import Outcome, OutlierPolicy, OutlierView, parse_outliers
 from coordinator.packed import as_text
+from coordinator.prefix import guarded_cached_tokens
+from coordinator.prefix_index import PrefixIndex
 from coordinator.pressure import instance_load
 from coordinator.scripts import Scripts
 from coordinator.settings import STRATEGIES, Settings
@@ -171,6 +173,16 @@ class Coordinator:
         self._renewed_mono = 0.0
         self._voids_left = 0  # instances with void records to sweep, per renew_lease
         self.on_reaped: Callable[[int], None] | None = None
+        self.prefix = PrefixIndex(
+            redis,
+            self.keys,
+            self.settings,
+            self._call,
+            self._epoch_of,
+            self._prefix_capacity,
+            UNAVAILABLE,
+            lambda: self._degraded,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -225,6 +237,14 @@ class Coordinator:
     def local_reservations(self) -> dict[str, LocalReservation]:
         """This node's live reservations (read-only use)."""
         return self._local
+
+    def _epoch_of(self, instance_id: str) -> int | None:
+        row = self._cache.rows.get(instance_id)
+        return None if row is None else row.epoch
+
+    def _prefix_capacity(self, instance_id: str) -> int | None:
+        row = self._cache.rows.get(instance_id)
+        return None if row is None else row.spec.prefix_cache_tokens
 
     # ------------------------------------------------------------------ redis calls
 
@@ -562,14 +582,15 @@ class Coordinator:
         if self._degraded:
             raise CoordinationUnavailableError("coordination is degraded")
         refreshed = await self._ensure_view()
+        ranked_as = self._guard_hot_spots(request)
         for attempt in range(s.reserve_retries + 1):
-            ranking = self._rank_for_reserve(strategy, skip, request)
+            ranking = self._rank_for_reserve(strategy, skip, ranked_as)
             candidates = ranking.ranked[: s.top_k]
             if not candidates and not refreshed:
                 # A young cache may predate a registration: look again before a 503.
                 await self.refresh()
                 refreshed = True
-                ranking = self._rank_for_reserve(strategy, skip, request)
+                ranking = self._rank_for_reserve(strategy, skip, ranked_as)
                 candidates = ranking.ranked[: s.top_k]
             if not candidates:
                 raise NoInstanceError("no alive instance in pool " + self.pool)
@@ -589,12 +610,13 @@ class Coordinator:
             ]
             for c in candidates:
                 row = self._cache.rows[c.id]
+                slack = self._affinity_slack(c.spec, ranked_as)
                 args += [
                     c.id,
                     c.spec.prefill_ms(request.uncached_on(c.id)),
                     c.spec.decode_ms(expected),
-                    row.inflight,
-                    row.pending_prefill,
+                    row.inflight + slack,
+                    row.pending_prefill + slack,
                 ]
             reply = await self._call("reserve", args, (self._node_rids,))
             status = str(reply[0])
@@ -626,6 +648,39 @@ class Coordinator:
                     raise PoolFullError(int(reply[1]))
             self.stats.reserve_retries += 1
         raise NoInstanceError("no alive instance accepted the reservation")
+
+    def _guard_hot_spots(self, request: RequestShape) -> RequestShape:
+        """The request as ranking sees it: cache credit faded on instances much busier
+        than the idlest (coordinator/prefix.py); the reservation keeps the full credit,
+        since the engine's cache does not care why the request came."""
+        guard_ms = self.settings.prefix_guard_ms
+        if not request.cached_tokens or guard_ms <= 0:
+            return request
+        floor, backlogs = self._columns_view.backlogs(
+            self._cache, self._cache.now_ms, self.settings.instance_ttl_ms, request.cached_tokens
+        )
+        if floor is None:
+            return request
+        cached = guarded_cached_tokens(request.cached_tokens, backlogs.get, floor, guard_ms)
+        return replace(request, cached_tokens=cached)
+
+    def _affinity_slack(self, spec: InstanceSpec, request: RequestShape) -> int:
+        """Requests a candidate may gain before reserve passes it over: what its cache
+        credit outweighs in the score. The script skips a candidate that got busier
+        since the view was read (anti-herding); without this, any other node's request
+        to the instance holding a conversation's prefix would send the next turn away.
+        """
+        cached = request.cached_on(spec.id)
+        if not cached:
+            return 0
+        w = self.settings.weights
+        per_request = w.inflight + w.pending_prefill
+        saved_ms = spec.prefill_ms(request.prompt_tokens) - spec.prefill_ms(
+            request.prompt_tokens - cached
+        )
+        if per_request <= 0 or saved_ms <= 0:
+            return 0
+        return int(saved_ms * w.ttft_ms / per_request)
 
     def _rank_for_reserve(
         self, strategy: str | None, skip: frozenset[str], request: RequestShape

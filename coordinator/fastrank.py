@@ -11,6 +11,7 @@ candidates are materialized as InstanceLoad rows with their Score objects.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +38,20 @@ from coordinator.strategies import (
 
 Floats = npt.NDArray[np.float64]
 NAN = float("nan")
+
+
+def _backlog(c: dict[str, Floats], sel: slice | npt.NDArray[np.intp], now: int) -> Floats:
+    """predicted_total_backlog_ms of the selected rows (NaN without a timing model)."""
+    timed = c["timed"][sel] == 1.0
+    infl = c["inflight"][sel]
+    prefill_free = np.where(timed, np.maximum(0.0, c["prefill_free_at"][sel] - now), NAN)
+    max_slots = c["max_slots"][sel]
+    has_room = (max_slots <= 0) | (infl < max_slots)
+    end = c["earliest_end"][sel]
+    next_slot = np.where(
+        has_room, 0.0, np.where(timed & ~np.isnan(end), np.maximum(0.0, end - now), NAN)
+    )
+    return np.maximum(prefill_free, next_slot)  # NaN if either is NaN
 
 
 class ColumnarPool:
@@ -132,16 +147,8 @@ class ColumnarPool:
         sel: slice | npt.NDArray[np.intp] = (
             slice(None) if eligible.size == len(self.ids) else eligible
         )
-        timed = c["timed"][sel] == 1.0
         infl = inflight[sel]
-        prefill_free = np.where(timed, np.maximum(0.0, c["prefill_free_at"][sel] - now), NAN)
-        max_slots = c["max_slots"][sel]
-        has_room = (max_slots <= 0) | (infl < max_slots)
-        end = c["earliest_end"][sel]
-        next_slot = np.where(
-            has_room, 0.0, np.where(timed & ~np.isnan(end), np.maximum(0.0, end - now), NAN)
-        )
-        backlog = np.maximum(prefill_free, next_slot)  # NaN if either is NaN
+        backlog = _backlog(c, sel, now)
         known_pred = ~np.isnan(backlog)
         values: dict[str, Floats] = {
             "inflight": infl,
@@ -194,6 +201,24 @@ class ColumnarPool:
             weighted = {name: wmap[name] * picked[name][j] for name in used}
             scores[iid] = Score(iid, totals[j], raw, weighted, dict(sources), wmap)
         return loads, scores
+
+    def backlogs(
+        self, cache: PoolCache, now: int, instance_ttl_ms: int, ids: Iterable[str]
+    ) -> tuple[float | None, dict[str, float]]:
+        """The least predicted backlog of any alive mixed instance, and the backlogs of
+        `ids` (those known and alive), in ms: what the prefix hot-spot guard compares."""
+        self.sync(cache)
+        c = self._cols
+        mask = (now - c["last_seen"] <= instance_ttl_ms) & (c["mixed"] == 1.0)
+        backlog = np.where(mask, _backlog(c, slice(None), now), NAN)
+        known = backlog[~np.isnan(backlog)]
+        floor = float(known.min()) if known.size else None
+        out = {}
+        for iid in ids:
+            i = self.index.get(iid)
+            if i is not None and not math.isnan(backlog[i]):
+                out[iid] = float(backlog[i])
+        return floor, out
 
     def _prefill_ms(
         self,

@@ -76,6 +76,14 @@ class PoolKeys:
         """Hash of passive-health state, "<id>:<field>" (see lua/record_outcome.lua)."""
         return f"{self.stem}:outliers"
 
+    def prefix_owners(self) -> str:
+        """Hash block hash -> "<id>|<epoch>|<stamp>" owners (see lua/record_prefix.lua)."""
+        return f"{self.stem}:prefix_owners"
+
+    def prefix_lru(self) -> str:
+        """Lex zset "<id>#<epoch>|<stamp>|<hash>": each instance's prefix blocks, LRU order."""
+        return f"{self.stem}:prefix_lru"
+
     def pattern(self) -> str:
         """A SCAN/ACL pattern matching every key of the pool."""
         return f"{self.stem}:*"

@@ -21,6 +21,7 @@ MAX_MS_PER_TOKEN = 60_000.0  # a minute per token is already no engine
 MAX_OVERHEAD_MS = float(MAX_PREDICTED_MS)
 MAX_WEIGHT = 1e6
 MAX_SLOTS = 1_000_000  # the register script's limit
+MAX_PREFIX_CACHE_TOKENS = 10**9  # beyond any engine's KV cache
 
 
 def _number(
@@ -80,6 +81,9 @@ class InstanceSpec:
     epoch: int = 0  # 0 = keep the stored epoch (or 1 for a new instance)
     model: str | None = None
     tags: tuple[str, ...] = ()
+    # Prefix KV cache the engine keeps, in tokens: bounds the instance's entries in
+    # the prefix index (None = the node's Settings.prefix_cache_tokens; 0 = none).
+    prefix_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not ID_RE.fullmatch(self.id):
@@ -101,6 +105,15 @@ class InstanceSpec:
         )
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 0:
             raise InvalidArgumentError(f"epoch must be a non-negative integer, got {self.epoch!r}")
+        if self.prefix_cache_tokens is not None and (
+            isinstance(self.prefix_cache_tokens, bool)
+            or not isinstance(self.prefix_cache_tokens, int)
+            or not 0 <= self.prefix_cache_tokens <= MAX_PREFIX_CACHE_TOKENS
+        ):
+            raise InvalidArgumentError(
+                f"prefix_cache_tokens must be an integer in 0..{MAX_PREFIX_CACHE_TOKENS}, "
+                f"got {self.prefix_cache_tokens!r}"
+            )
         if self.model is not None and not _utf8(self.model):
             raise InvalidArgumentError("model must be a valid UTF-8 string")
         if not all(_utf8(t) for t in self.tags):
@@ -129,6 +142,8 @@ class InstanceSpec:
         data = asdict(self)
         data.pop("epoch")
         data["tags"] = list(self.tags)
+        if self.prefix_cache_tokens is None:
+            del data["prefix_cache_tokens"]  # stored specs stay as they were without it
         return json.dumps(data, separators=(",", ":"), sort_keys=True)
 
     @classmethod

@@ -26,7 +26,7 @@ class Weights:
     pending_prefill: float = 1.0  # predicted layer
     active_decode: float = 0.5
     backlog_ms: float = 0.001
-    ttft_ms: float = 0.0  # request-aware: backlog + own uncached prefill (needs the request)
+    ttft_ms: float = 0.05  # request-aware: backlog + own uncached prefill (needs the request)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -82,6 +82,14 @@ class Settings:
     live_refresh_ms: int = 2_000  # liveness and hints are re-read this often (<= ttl/4)
     strategy: str = "least_load"  # default selection strategy
     weights: Weights = field(default_factory=Weights)
+    # Prefix-cache affinity (coordinator/prefix.py, docs/security.md).
+    prefix_affinity: bool = True  # look up and record prompt prefix blocks
+    prefix_salt: str = ""  # deployment secret mixed into block hashes; set it in production
+    prefix_block_chars: int = 1024  # characters per block (~256 tokens at chars/4)
+    prefix_max_blocks: int = 128  # blocks hashed, looked up and recorded per request
+    prefix_cache_tokens: int = 400_000  # index capacity of an instance whose spec has none
+    prefix_max_owners: int = 8  # instances remembered per block (most recent)
+    prefix_guard_ms: int = 10_000  # cache credit fades over this much extra backlog; 0 = off
 
     def __post_init__(self) -> None:
         if not self.key_prefix or not POOL_NAME_RE.fullmatch(self.key_prefix):
@@ -111,6 +119,16 @@ class Settings:
             raise InvalidArgumentError(f"full_policy must be one of {FULL_POLICIES}")
         if self.strategy not in STRATEGIES:
             raise InvalidArgumentError(f"strategy must be one of {STRATEGIES}")
+        for name, low, high in (
+            ("prefix_block_chars", 16, 1 << 20),
+            ("prefix_max_blocks", 1, 512),
+            ("prefix_cache_tokens", 0, 10**9),
+            ("prefix_max_owners", 1, 64),
+            ("prefix_guard_ms", 0, 86_400_000),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise InvalidArgumentError(f"{name} must be an integer in {low}..{high}")
         if self.heartbeat_interval_ms >= self.instance_ttl_ms:
             raise InvalidArgumentError("heartbeat_interval_ms must be below instance_ttl_ms")
 

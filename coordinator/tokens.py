@@ -12,7 +12,8 @@ def estimate_tokens(text: str) -> int:
     return (len(text) + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """The text of a message content: a string, or the `text` of its parts."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # OpenAI content parts
@@ -28,7 +29,7 @@ def prompt_tokens_of(body: dict[str, Any]) -> int:
     """Prompt size of a chat or completion request body, by the chars/4 rule."""
     if "messages" in body and isinstance(body["messages"], list):
         text = "".join(
-            _content_text(m.get("content")) for m in body["messages"] if isinstance(m, dict)
+            content_text(m.get("content")) for m in body["messages"] if isinstance(m, dict)
         )
         return estimate_tokens(text)
     prompt = body.get("prompt", "")

@@ -2,14 +2,22 @@
 and the simulator, so the simulator predicts what the live cluster does.
 
 Each engine iteration is either one prefill (serialized, FCFS, time linear in the
-prompt) or one decode step for every running sequence (step time grows with batch
-size, one token per sequence). Prefill has priority while the batch has room, as in
-vLLM's default scheduler. Time is passed in (ms), never read from a clock.
+prompt tokens not found in the prefix cache) or one decode step for every running
+sequence (step time grows with batch size, one token per sequence). Prefill has
+priority while the batch has room, as in vLLM's default scheduler. Time is passed in
+(ms), never read from a clock.
+
+The prefix cache (`PrefixCache`) holds whole blocks by chained hash, LRU, with a
+capacity in tokens. A prefill looks its blocks up when it starts (the leading blocks
+present are not recomputed, but at least one token always is, as in vLLM) and adds
+them when it ends. Freed blocks of one prompt are queued tail first, so eviction takes
+a prefix's tail before its head, like vLLM's free-block queue.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 
@@ -57,6 +65,46 @@ class EngineTiming:
         )
 
 
+class PrefixCache:
+    """An LRU cache of prompt blocks, keyed by chained block hash, with hit counters."""
+
+    def __init__(self, capacity_tokens: int, block_tokens: int) -> None:
+        if capacity_tokens < 0 or block_tokens < 1:
+            raise ValueError("capacity_tokens must be >= 0 and block_tokens >= 1")
+        self.block_tokens = block_tokens
+        self.capacity_blocks = capacity_tokens // block_tokens
+        self._blocks: OrderedDict[Hashable, None] = OrderedDict()
+        self.queries = 0  # prompt tokens looked up (vllm:prefix_cache_queries)
+        self.hits = 0  # of which found cached (vllm:prefix_cache_hits)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def lookup(self, blocks: tuple[Hashable, ...], prompt_tokens: int) -> int:
+        """Cached tokens of a prompt (its leading blocks present), counted and touched."""
+        held = 0
+        for block in blocks:
+            if block not in self._blocks:
+                break
+            held += 1
+        cached = min(held * self.block_tokens, max(0, prompt_tokens - 1))
+        for block in reversed(blocks[:held]):
+            self._blocks.move_to_end(block)
+        self.queries += prompt_tokens
+        self.hits += cached
+        return cached
+
+    def insert(self, blocks: tuple[Hashable, ...]) -> None:
+        """Hold a prompt's blocks (tail first, so the head is the last to go)."""
+        if self.capacity_blocks == 0:
+            return
+        for block in reversed(blocks):
+            self._blocks[block] = None
+            self._blocks.move_to_end(block)
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
+
+
 @dataclass(slots=True)
 class Sequence:
     """One request inside the engine."""
@@ -68,6 +116,8 @@ class Sequence:
     generated: int = 0
     first_token_ms: float | None = None
     finished_ms: float | None = None
+    blocks: tuple[Hashable, ...] = ()  # chained prefix block hashes, in prompt order
+    cached_tokens: int = 0  # found in the prefix cache when its prefill started
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +133,11 @@ class EngineEvent:
 class EngineModel:
     """A deterministic continuous-batching engine driven by explicit times."""
 
-    def __init__(self, timing: EngineTiming | None = None) -> None:
+    def __init__(
+        self, timing: EngineTiming | None = None, prefix_cache: PrefixCache | None = None
+    ) -> None:
         self.timing = timing or EngineTiming()
+        self.prefix_cache = prefix_cache  # None: every prefill computes its whole prompt
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._busy_until: float | None = None  # end of the iteration in progress
@@ -102,11 +155,23 @@ class EngineModel:
         """Sequences queued FCFS, not yet prefilled."""
         return len(self.waiting)
 
-    def submit(self, rid: str, prompt_tokens: int, output_tokens: int, now_ms: float) -> None:
-        """Queue a request at `now_ms`; call advance() first so time is in order."""
+    def submit(
+        self,
+        rid: str,
+        prompt_tokens: int,
+        output_tokens: int,
+        now_ms: float,
+        blocks: tuple[Hashable, ...] = (),
+    ) -> None:
+        """Queue a request at `now_ms`; call advance() first so time is in order.
+
+        `blocks` are the prompt's chained prefix block hashes (for the prefix cache).
+        """
         if prompt_tokens < 0 or output_tokens < 1:
             raise ValueError("prompt_tokens must be >= 0 and output_tokens >= 1")
-        self.waiting.append(Sequence(rid, prompt_tokens, output_tokens, now_ms))
+        self.waiting.append(
+            Sequence(rid, prompt_tokens, output_tokens, now_ms, blocks=tuple(blocks))
+        )
         if self._busy_until is None:
             self._clock = max(self._clock, now_ms)
             self._start_iteration()
@@ -138,7 +203,8 @@ class EngineModel:
 
     def remaining_work_ms(self, now_ms: float | None = None) -> float:
         """Exact time from `now_ms` (default: the last iteration boundary) to drain
-        everything inside, assuming no new arrivals (the oracle's knowledge)."""
+        everything inside, assuming no new arrivals (the oracle's knowledge). Queued
+        prefills are counted whole: the prefix cache is not looked ahead into."""
         probe = EngineModel(self.timing)
         probe.waiting = deque(
             Sequence(s.rid, s.prompt_tokens, s.output_tokens, s.arrived_ms, s.generated)
@@ -166,8 +232,10 @@ class EngineModel:
     def _start_iteration(self) -> None:
         t = self.timing
         if self.waiting and len(self.running) < t.max_batch:
-            self._current = self.waiting.popleft()
-            self._busy_until = self._clock + t.prefill_ms(self._current.prompt_tokens)
+            seq = self._current = self.waiting.popleft()
+            if self.prefix_cache is not None:
+                seq.cached_tokens = self.prefix_cache.lookup(seq.blocks, seq.prompt_tokens)
+            self._busy_until = self._clock + t.prefill_ms(seq.prompt_tokens - seq.cached_tokens)
         elif self.running:
             self._current = None
             self._busy_until = self._clock + t.step_ms(len(self.running))
@@ -179,6 +247,8 @@ class EngineModel:
         now = self._clock
         if self._current is not None:
             seq, self._current = self._current, None
+            if self.prefix_cache is not None:
+                self.prefix_cache.insert(seq.blocks)  # computed, even if now cancelled
             if self._current_cancelled:
                 self._current_cancelled = False
                 return

@@ -230,7 +230,8 @@ class NodeConfig:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NodeConfig:
         """Read the environment (see ENV_VARS and Settings), then apply non-None overrides.
 
-        `strategy=` is accepted as an override and lands in the coordinator settings.
+        `strategy=` and `prefix_affinity=` are accepted as overrides and land in the
+        coordinator settings.
         """
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
@@ -242,9 +243,12 @@ class NodeConfig:
                     break
         given = {k: v for k, v in overrides.items() if v is not None}
         strategy = given.pop("strategy", None)
+        affinity = given.pop("prefix_affinity", None)
         settings = given.pop("settings", None)
         if settings is None:
             settings = Settings.from_env(env)
+        if affinity is not None:
+            settings = replace(settings, prefix_affinity=bool(affinity))
         if strategy is not None:
             if strategy not in STRATEGIES:
                 raise InvalidArgumentError(

@@ -28,6 +28,7 @@ from coordinator.errors import (
 from coordinator.keys import ID_RE
 from coordinator.models import HINT_NAMES, InstanceSpec
 from coordinator.settings import STRATEGIES
+from coordinator.snapshot import Snapshot
 from proxy_node.config import instance_id_for
 from proxy_node.errors import Handler, json_error
 from proxy_node.state import CONFIG, COORDINATOR, HEALTH, SERVICE_APP
@@ -280,8 +281,20 @@ async def instance_loads(request: web.Request) -> web.Response:
         coordinator.node_id,
         coordinator.pool,
         outliers,
+        coordinator.prefix.last_lookup,
+        await _index_tokens(coordinator, snapshot),
     )
     return web.json_response(view)
+
+
+async def _index_tokens(coordinator: Coordinator, snapshot: Snapshot) -> dict[str, int]:
+    """What the prefix index holds per instance; nothing while Redis is unreachable."""
+    if snapshot.coordination != "ok":
+        return {}
+    try:
+        return await coordinator.prefix.index_tokens([(r.id, r.epoch) for r in snapshot.rows])
+    except (RedisError, OSError):
+        return {}
 
 
 async def reservations(request: web.Request) -> web.Response:

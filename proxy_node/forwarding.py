@@ -106,6 +106,8 @@ class Exchange:
         self.stream = False
         self.prompt_tokens = 0
         self.expected_output_tokens = 0
+        self.prefix_hashes: list[str] = []
+        self.cached_tokens: dict[str, int] | None = None  # looked up once per request
         self.response: web.StreamResponse | None = None
         self._mark_handle: asyncio.TimerHandle | None = None
         self.reserved_at = self.started  # loop time the current attempt got its reservation
@@ -161,6 +163,7 @@ class Exchange:
         return {
             "X-Instance-Id": res.instance_id,
             "X-Predicted-TTFT-Ms": ttft,
+            "X-Prefix-Cached-Tokens": str(res.cached_tokens),
             "X-Request-Id": self.request_id,
             "X-Reservation-Id": res.rid,
         }
@@ -203,12 +206,14 @@ class Exchange:
                 self.body,
                 request.headers.get("X-Prompt-Tokens"),
                 self.state.expected_output_tokens(),
+                self.coordinator.prefix.hashes,
             )
         except RequestRejectedError as exc:
             return self._error(exc.status, exc.message, exc.code)
         self.prompt_tokens = parsed.prompt_tokens
         self.expected_output_tokens = parsed.expected_output_tokens
         self.stream = parsed.stream
+        self.prefix_hashes = parsed.prefix_hashes
         return None
 
     async def _reserve(
@@ -222,20 +227,28 @@ class Exchange:
         """
         started = time.perf_counter()
         ejected = self.health.ejected_ids()
+        prefix = self.coordinator.prefix
+        if self.cached_tokens is None:
+            self.cached_tokens = await prefix.cached_tokens(self.prefix_hashes)
+        sizes = (self.prompt_tokens, self.expected_output_tokens)
         try:
             try:
-                return await self.coordinator.reserve(
-                    self.prompt_tokens,
-                    self.expected_output_tokens,
+                res = await self.coordinator.reserve(
+                    *sizes,
                     rid=self.rid,
                     exclude=excluded | ejected,
+                    cached_tokens=self.cached_tokens,
                 )
             except NoInstanceError:
                 if not ejected - excluded:
                     raise
-                return await self.coordinator.reserve(
-                    self.prompt_tokens, self.expected_output_tokens, rid=self.rid, exclude=excluded
+                res = await self.coordinator.reserve(
+                    *sizes, rid=self.rid, exclude=excluded, cached_tokens=self.cached_tokens
                 )
+            # Spawned: the next turn of this conversation may already be on its way.
+            held = self.cached_tokens.get(res.instance_id, 0)
+            self.state.spawn(prefix.record(res.instance_id, self.prefix_hashes, held))
+            return res
         except NoInstanceError as exc:
             if failure is not None:
                 return self._error(failure.status, failure.message, failure.code, failure.res)

@@ -35,6 +35,7 @@ RESPONSE_HEADERS_DROPPED = HOP_BY_HOP | {
     "content-length",
     "x-instance-id",
     "x-predicted-ttft-ms",
+    "x-prefix-cached-tokens",
     "x-request-id",
 }
 

@@ -192,7 +192,13 @@ async def read_pool(coordinator: Coordinator, settings: Settings) -> PoolState:
     ranking = coordinator.rank(
         snapshot, settings.strategy, exclude=selection_exclusions(snapshot, outliers)
     )
-    loads = instance_loads_view(snapshot, ranking, settings, NODE_ID, coordinator.pool, outliers)
+    try:
+        held = await coordinator.prefix.index_tokens([(r.id, r.epoch) for r in snapshot.rows])
+    except (RedisError, OSError) as exc:
+        raise InspectError(f"cannot read pool {coordinator.pool!r}: {exc}") from exc
+    loads = instance_loads_view(
+        snapshot, ranking, settings, NODE_ID, coordinator.pool, outliers, index_tokens=held
+    )
     nodes = [(str(node), int(deadline)) for node, deadline in raw_nodes]
     return PoolState(loads, nodes, dict(sorted(phases.items())))
 
@@ -319,8 +325,9 @@ INSTANCE_COLUMNS: tuple[tuple[str, JustifyMethod, int], ...] = (
     ("decode", "right", 4),
     ("fails", "right", 5),
     ("slot ms", "right", 11),
-    ("prefill free", "right", 10),
+    ("free ms", "right", 10),
     ("backlog ms", "right", 6),
+    ("cache", "right", 10),
     ("hint ages", "left", 8),
     ("score", "right", 3),
     ("top components", "left", 7),
@@ -352,10 +359,22 @@ def _instance_cells(row: dict[str, Any]) -> list[Text]:
         Text(_num(row["next_slot_ready_in_ms"])),
         Text(_num(row["prefill_free_in_ms"])),
         Text(_num(row["predicted_total_backlog_ms"])),
+        Text(_tokens((row.get("prefix") or {}).get("index_tokens"))),
         _hint_ages(row["hints"]),
         Text(_num(score.get("total"), 3)),
         Text(_top_components(score.get("weighted_components") or {})),
     ]
+
+
+def _tokens(value: int | None) -> str:
+    """A token count, short: 1234 -> 1.2k, 1500000 -> 1.5M."""
+    if value is None:
+        return "-"
+    if value >= 1_000_000:
+        return f"{value / 1_000_000:.1f}M"
+    if value >= 1000:
+        return f"{value / 1000:.1f}k"
+    return str(value)
 
 
 def _rank_order(row: dict[str, Any]) -> tuple[bool, int, str]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from coordinator.coordinator import MAX_TOKENS
 from coordinator.tokens import max_output_tokens_of, prompt_tokens_of
@@ -44,16 +46,21 @@ class CompletionRequest:
     prompt_tokens: int
     expected_output_tokens: int
     stream: bool
+    prefix_hashes: list[str]  # salted prefix block hashes (coordinator/prefix.py)
 
 
 def parse_completion(
-    raw: bytes, prompt_tokens_header: str | None, default_output_tokens: int
+    raw: bytes,
+    prompt_tokens_header: str | None,
+    default_output_tokens: int,
+    prefix_hashes: Callable[[dict[str, Any]], list[str]] = lambda body: [],
 ) -> CompletionRequest:
     """Check a chat/completion body; raises RequestRejectedError (400) when unusable.
 
     The prompt size comes from `X-Prompt-Tokens` when the client sends it (it may know
     the exact count), else from the shared chars/4 rule. The expected output is the
     client's cap, else the node's running average (`default_output_tokens`).
+    `prefix_hashes` turns the body into its prefix block hashes (none by default).
     """
     try:
         body = json.loads(raw)
@@ -76,4 +83,4 @@ def parse_completion(
         _check_output_cap(name, body.get(name))
     cap = max_output_tokens_of(body)
     expected = min(cap if cap is not None else default_output_tokens, MAX_TOKENS)
-    return CompletionRequest(prompt, expected, body.get("stream") is True)
+    return CompletionRequest(prompt, expected, body.get("stream") is True, prefix_hashes(body))

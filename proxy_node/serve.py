@@ -84,6 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"selection strategy [env COORD_STRATEGY; default {d.settings.strategy}]",
     )
     add(
+        "--prefix-affinity",
+        action=argparse.BooleanOptionalAction,
+        default=S,
+        help="route by prefix cache: look up and record salted prompt block hashes in the "
+        "shared index, and rank on each instance's uncached prefill [env "
+        "COORD_PREFIX_AFFINITY; default on]",
+    )
+    add(
         "--token",
         default=S,
         help="bearer token required for control-plane writes; prefer the environment, "
@@ -242,6 +250,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         "control_port",
         "instances",
         "strategy",
+        "prefix_affinity",
         "token",
         "node_id",
         "max_body_bytes",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from coordinator.models import HINT_NAMES
@@ -28,13 +29,18 @@ def instance_loads_view(
     node_id: str,
     pool: str,
     outliers: OutlierView | None = None,
+    expected_cached: Mapping[str, int] | None = None,
+    index_tokens: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """What `/debug/instance_loads` serves: the snapshot and the scores selection used.
 
     Every instance of the snapshot appears (dead ones too, with `rank` None); `rank` is
     the position in the strategy's ranking, `least_load_score` the Score it was ranked
     by (None for a candidate the strategy did not score, e.g. outside power_of_two's
-    sample). Numbers and names only: never a request payload.
+    sample). `prefix` shows the prefix index: `expected_cached_tokens` of the last
+    request this node routed (what its ranking took off each predicted prefill) and
+    `index_tokens`, what the shared index believes the instance caches. Numbers and
+    names only: never a request payload.
     """
     positions = {row.id: i for i, row in enumerate(ranking.ranked)}
     instances = []
@@ -56,6 +62,10 @@ def instance_loads_view(
         now = outliers.now_ms if outliers is not None else snapshot.now_ms
         state = outliers.state(row.id) if outliers is not None else OutlierState(row.id)
         data["outlier"] = state.as_dict(now)
+        data["prefix"] = {
+            "expected_cached_tokens": (expected_cached or {}).get(row.id, 0),
+            "index_tokens": (index_tokens or {}).get(row.id),
+        }
         instances.append(data)
     return {
         "generated_at": snapshot.now_ms,
@@ -67,5 +77,6 @@ def instance_loads_view(
         "weights": settings.weights.as_dict(),
         "hint_ttl_ms": settings.hint_ttl_ms,
         "instance_ttl_ms": settings.instance_ttl_ms,
+        "prefix_affinity": settings.prefix_affinity,
         "instances": instances,
     }

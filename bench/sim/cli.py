@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from bench.sim.report import json_ready, markdown, run_trace
-from bench.sim.simulator import EXPECTED_OUTPUT_MODES, STRATEGIES, SimConfig
+from bench.sim.simulator import ALL_STRATEGIES, EXPECTED_OUTPUT_MODES, STRATEGIES, SimConfig
 from bench.sim.synthetic import DEFAULT_REQUESTS
 from bench.sim.traces import TraceError
 from coordinator.errors import InvalidArgumentError
@@ -33,7 +33,7 @@ def strategy_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
-_strategies = strategy_list(STRATEGIES)
+_strategies = strategy_list(ALL_STRATEGIES)
 
 
 def _weights(text: str) -> Weights:
@@ -81,7 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategies",
         type=_strategies,
         default=list(STRATEGIES),
-        help=f"comma list from {', '.join(STRATEGIES)} (or 'all')",
+        help=f"comma list from {', '.join(ALL_STRATEGIES)} (or 'all'); default: "
+        f"{', '.join(STRATEGIES)}",
+    )
+    parser.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=0,
+        help="each engine's prefix cache in tokens, for traces with hash_ids (0 = none); "
+        "the prefix strategies need it",
     )
     parser.add_argument(
         "--limit",
@@ -136,6 +144,8 @@ def command(args: argparse.Namespace) -> list[str]:
         cmd += ["--expected-output", args.expected_output]
     if args.max_slots != -1:
         cmd += ["--max-slots", str(args.max_slots)]
+    if args.prefix_cache_tokens:
+        cmd += ["--prefix-cache-tokens", str(args.prefix_cache_tokens)]
     defaults = Weights().as_dict()
     weights = args.weights or Weights()
     changed = {k: v for k, v in weights.as_dict().items() if v != defaults[k]}
@@ -156,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
             max_slots=args.max_slots,
             seed=args.seed,
             weights=args.weights or Weights(),
+            prefix_cache_tokens=args.prefix_cache_tokens,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

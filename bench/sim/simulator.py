@@ -17,10 +17,21 @@ Strategies:
   lifecycle layer only, round-robin among ties);
 - `least_load_instantaneous`: shared inflight plus engine hints scraped every
   `hint_interval_ms` (`least_load(..., use_predicted=False)`);
-- `least_load`: the full three-layer score over shared reservations;
+- `least_load`: the full three-layer score over shared reservations, given the
+  request as a node's `Coordinator.reserve` gives it (its `ttft_ms` component; no
+  cached tokens: a node with `prefix_affinity` off);
 - `power_of_two`: two random candidates, the better by the full score;
 - `oracle`: one central dispatcher that knows every engine's exact state and sends
-  each request where its TTFT is smallest (see `exact_ttft_ms`).
+  each request where its TTFT is smallest (see `exact_ttft_ms`; it does not look
+  into prefix caches).
+
+Prefix-aware strategies (`PREFIX_STRATEGIES`, for traces with `hash_ids` and
+`prefix_cache_tokens > 0`; bench/sim/prefix_policies.py): `least_load_affinity` (the
+full score with each candidate's expected cached tokens from the shared prefix index
+taken off its predicted prefill, behind the hot-spot guard), and the baselines
+`consistent_hash`, `sglang_cache_aware` and `dynamo_kv`. Each engine then has a prefix cache of
+`prefix_cache_tokens`, the trace's blocks being its cache blocks; every strategy runs
+on engines with caches, so `least_load` alone is "least_load without affinity".
 
 Metrics per request: TTFT = first token - arrival; end-to-end = last token -
 arrival; queue wait = prefill start - arrival (= TTFT - the request's own prefill
@@ -40,13 +51,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.sim.prefix_policies import (
+    HashRing,
+    SglangThresholds,
+    SharedPrefixIndex,
+    dynamo_choice,
+    sglang_choice,
+)
 from bench.sim.shared_state import SharedState
-from bench.sim.traces import TraceRequest, service_ms
-from coordinator.models import InstanceLoad, InstanceRow, InstanceSpec
+from bench.sim.traces import TRACE_BLOCK_TOKENS, TraceRequest, service_ms
+from coordinator.models import InstanceLoad, InstanceRow, InstanceSpec, RequestShape
+from coordinator.prefix import guarded_cached_tokens
 from coordinator.pressure import instance_load
 from coordinator.settings import Settings, Weights
-from coordinator.strategies import RoundRobin, least_load, power_of_two, round_robin
-from local_fleet.engine_model import EngineModel, EngineTiming
+from coordinator.strategies import Ranking, RoundRobin, least_load, power_of_two, round_robin
+from local_fleet.engine_model import EngineModel, EngineTiming, PrefixCache
 from local_fleet.stats import percentile
 
 STRATEGIES = (
@@ -58,7 +77,9 @@ STRATEGIES = (
     "power_of_two",
     "oracle",
 )
-SHARED = frozenset({"least_load_instantaneous", "least_load", "power_of_two"})
+PREFIX_STRATEGIES = ("least_load_affinity", "consistent_hash", "sglang_cache_aware", "dynamo_kv")
+ALL_STRATEGIES = STRATEGIES + PREFIX_STRATEGIES
+SHARED = frozenset({"least_load_instantaneous", "least_load", "power_of_two", *PREFIX_STRATEGIES})
 EXPECTED_OUTPUT_MODES = ("avg", "true")
 LIVENESS_TTL_MS = 2**40  # the sim does not model liveness: every instance stays alive
 
@@ -82,6 +103,12 @@ class SimConfig:
     seed: int = 0
     timing: EngineTiming = field(default_factory=EngineTiming)
     weights: Weights = field(default_factory=Weights)
+    prefix_cache_tokens: int = 0  # each engine's prefix cache and index capacity; 0 = none
+    block_tokens: int = TRACE_BLOCK_TOKENS  # tokens per trace block (hash_ids)
+    prefix_max_blocks: int = Settings().prefix_max_blocks  # blocks a node looks up
+    sglang: SglangThresholds = field(default_factory=SglangThresholds)
+    dynamo_overlap_weight: float = 1.0  # Dynamo's kv-overlap-score-weight
+    prefix_guard_ms: int = Settings().prefix_guard_ms  # the hot-spot guard (coordinator/prefix.py)
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.nodes < 1:
@@ -94,6 +121,8 @@ class SimConfig:
             raise ValueError(f"expected_output must be one of {EXPECTED_OUTPUT_MODES}")
         if self.initial_expected_output < 0 or self.max_slots < -1:
             raise ValueError("initial_expected_output must be >= 0 and max_slots >= -1")
+        if self.prefix_cache_tokens < 0 or self.block_tokens < 1 or self.prefix_max_blocks < 1:
+            raise ValueError("need prefix_cache_tokens >= 0, block_tokens and max blocks >= 1")
 
     @property
     def registered_max_slots(self) -> int:
@@ -110,6 +139,7 @@ class SimConfig:
             prefill_ms_per_token=t.prefill_ms_per_token,
             prefill_overhead_ms=t.prefill_overhead_ms,
             decode_ms_per_token=t.nominal_decode_ms_per_token(),
+            prefix_cache_tokens=self.prefix_cache_tokens,
         )
 
 
@@ -129,6 +159,7 @@ class StrategyResult:
     imbalance: float  # max / mean of assigned work per instance
     assigned: tuple[int, ...]  # requests per instance
     ttft_ms: tuple[float, ...] = field(repr=False)  # per request, for CDFs
+    prefix_hit_rate: float = math.nan  # cached / queried prompt tokens (engine caches)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary (without per-request samples)."""
@@ -144,6 +175,7 @@ class StrategyResult:
             "queue_wait_mean_ms": self.queue_wait_mean_ms,
             "imbalance": self.imbalance,
             "assigned": list(self.assigned),
+            "prefix_hit_rate": self.prefix_hit_rate,
         }
 
 
@@ -207,8 +239,8 @@ class Simulation:
         config: SimConfig | None = None,
         progress: Progress | None = None,
     ) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+        if strategy not in ALL_STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose from {ALL_STRATEGIES}")
         self.requests = list(requests)
         self.strategy = strategy
         self.config = config or SimConfig()
@@ -217,7 +249,14 @@ class Simulation:
         self.ids = [f"i{k:03d}" for k in range(c.instances)]
         self.index = {iid: k for k, iid in enumerate(self.ids)}
         self.specs = [c.spec(iid) for iid in self.ids]
-        self.engines = [EngineModel(c.timing) for _ in self.ids]
+        self.engines = [EngineModel(c.timing, self._prefix_cache()) for _ in self.ids]
+        self.prefix_index = SharedPrefixIndex(c.prefix_cache_tokens // c.block_tokens)
+        self.ring = HashRing(self.ids)
+        # What a Dynamo-style router tracks: prompt tokens still to prefill (uncached,
+        # as predicted) and tokens of live requests (prompt + expected output).
+        self.queued_prefill = [0] * c.instances
+        self.active_tokens = [0] * c.instances
+        self.uncached_of: dict[int, int] = {}
         self.state = SharedState()
         for s in self.specs:
             self.state.register(s, 0)
@@ -244,6 +283,12 @@ class Simulation:
         self._scheduled: list[float | None] = [None] * c.instances
         self._outstanding = 0
         self._static_rows: list[InstanceLoad] | None = None
+
+    def _prefix_cache(self) -> PrefixCache | None:
+        c = self.config
+        if c.prefix_cache_tokens <= 0:
+            return None
+        return PrefixCache(c.prefix_cache_tokens, c.block_tokens)
 
     # ------------------------------------------------------------------ event loop
 
@@ -298,6 +343,7 @@ class Simulation:
             if kind == "first_token":
                 self.first_token[r] = at
                 self.unprefilled[k].popleft()
+                self.queued_prefill[k] -= self.uncached_of.get(r, 0)
                 if self.strategy in SHARED:
                     self.state.mark_first_token(ev.rid, now)
             else:  # done
@@ -307,6 +353,8 @@ class Simulation:
                 node.seen_outputs += self.requests[r].output_tokens
                 node.seen_count += 1
                 node.local[k] -= 1
+                req = self.requests[r]
+                self.active_tokens[k] -= req.prompt_tokens + self.expected_of[r]
                 if self.strategy in SHARED:
                     self.state.release(ev.rid, now)
         self._reschedule(k)
@@ -334,10 +382,25 @@ class Simulation:
         node = self.nodes[n]
         now = int(req.arrival_ms)
         expected = self._expected_output(node, req)
-        k = self._choose(node, req, now, expected)
+        prefix_aware = self.strategy in PREFIX_STRATEGIES
+        cached: dict[str, int] = {}
+        held: dict[str, int] = {}
+        if prefix_aware and req.blocks:
+            held = self.prefix_index.cached_blocks(req.blocks, self.config.prefix_max_blocks)
+            cached = {
+                iid: min(b * self.config.block_tokens, req.prompt_tokens) for iid, b in held.items()
+            }
+        k = self._choose(node, req, now, expected, cached)
         self.node_of[r] = n
         self.instance_of[r] = k
         self.expected_of[r] = expected
+        uncached = req.prompt_tokens - cached.get(self.ids[k], 0)
+        self.uncached_of[r] = uncached
+        self.queued_prefill[k] += uncached
+        self.active_tokens[k] += req.prompt_tokens + expected
+        if prefix_aware:
+            blocks = req.blocks[: self.config.prefix_max_blocks]
+            self.prefix_index.record(self.ids[k], blocks, held.get(self.ids[k], 0))
         if self.strategy in SHARED:
             spec = self.specs[k]
             self.state.reserve(
@@ -346,14 +409,16 @@ class Simulation:
                 self.ids[k],
                 req.prompt_tokens,
                 expected,
-                spec.prefill_ms(req.prompt_tokens),
+                spec.prefill_ms(uncached),
                 spec.decode_ms(expected),
                 now,
             )
         node.local[k] += 1
         self._outstanding += 1
         self.unprefilled[k].append(r)
-        self.engines[k].submit(str(r), req.prompt_tokens, req.output_tokens, req.arrival_ms)
+        self.engines[k].submit(
+            str(r), req.prompt_tokens, req.output_tokens, req.arrival_ms, req.blocks
+        )
         self._reschedule(k)
 
     def _shared_rows(self, now: int) -> list[InstanceLoad]:
@@ -386,9 +451,15 @@ class Simulation:
             )
         return rows
 
-    def _choose(self, node: _Node, req: TraceRequest, now: int, expected: int) -> int:
+    def _choose(
+        self, node: _Node, req: TraceRequest, now: int, expected: int, cached: dict[str, int]
+    ) -> int:
         s = self.strategy
         w = self.config.weights
+        if s in ("consistent_hash", "sglang_cache_aware", "dynamo_kv"):
+            return self._prefix_baseline(req, cached)
+        # What a node's Coordinator.reserve ranks with: the request, no cached tokens.
+        shape = RequestShape(req.prompt_tokens, expected)
         if s == "random":
             return node.rng.randrange(self.config.instances)
         if s == "round_robin":
@@ -402,14 +473,49 @@ class Simulation:
         elif s == "least_load_instantaneous":
             ranking = least_load(self._shared_rows(now), w, node.rr, use_predicted=False)
         elif s == "least_load":
-            ranking = least_load(self._shared_rows(now), w, node.rr)
+            ranking = least_load(self._shared_rows(now), w, node.rr, request=shape)
+        elif s == "least_load_affinity":
+            ranking = self._affinity_ranking(node, req, now, expected, cached)
         elif s == "power_of_two":
-            ranking = power_of_two(self._shared_rows(now), w, node.rr, node.rng)
+            ranking = power_of_two(self._shared_rows(now), w, node.rr, node.rng, shape)
         else:
             return self._oracle(req)
         choice = ranking.choice
         assert choice is not None
         return self.index[choice.id]
+
+    def _affinity_ranking(
+        self, node: _Node, req: TraceRequest, now: int, expected: int, cached: dict[str, int]
+    ) -> Ranking:
+        """What the node does: the guard on the looked-up cached tokens, then least_load
+        given the request (coordinator/prefix.py, Coordinator.reserve)."""
+        rows = self._shared_rows(now)
+        c = self.config
+        if cached:
+            backlogs = {r.id: r.predicted_total_backlog_ms for r in rows}
+            floor = min((b for b in backlogs.values() if b is not None), default=0)
+            cached = guarded_cached_tokens(cached, backlogs.get, floor, c.prefix_guard_ms)
+        shape = RequestShape(req.prompt_tokens, expected, cached)
+        return least_load(rows, c.weights, node.rr, request=shape)
+
+    def _prefix_baseline(self, req: TraceRequest, cached: dict[str, int]) -> int:
+        c = self.config
+        if self.strategy == "consistent_hash":
+            if not req.blocks:
+                return self.central_rr.take() % c.instances
+            return self.index[self.ring.owner(req.blocks[0])]
+        if self.strategy == "sglang_cache_aware":
+            loads = [row.inflight for row in self.state.rows()]
+            sizes = [self.prefix_index.size(iid) for iid in self.ids]
+            return sglang_choice(self.ids, loads, cached, req.prompt_tokens, sizes, c.sglang)
+        uncached = [req.prompt_tokens - cached.get(iid, 0) for iid in self.ids]
+        return dynamo_choice(
+            self.queued_prefill,
+            uncached,
+            self.active_tokens,
+            c.block_tokens,
+            c.dynamo_overlap_weight,
+        )
 
     def _oracle(self, req: TraceRequest) -> int:
         """Smallest exact TTFT; ties go to the engine holding fewer sequences, then rotate."""
@@ -450,6 +556,9 @@ class Simulation:
         ttfts.sort()
         e2es.sort()
         mean_work = sum(work) / len(work)
+        caches = [e.prefix_cache for e in self.engines if e.prefix_cache is not None]
+        queried = sum(cache.queries for cache in caches)
+        hit_rate = sum(cache.hits for cache in caches) / queried if queried else math.nan
         return StrategyResult(
             strategy=self.strategy,
             requests=len(self.requests),
@@ -463,6 +572,7 @@ class Simulation:
             imbalance=max(work) / mean_work if mean_work > 0 else 1.0,
             assigned=tuple(assigned),
             ttft_ms=samples,
+            prefix_hit_rate=hit_rate,
         )
 
 

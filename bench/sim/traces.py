@@ -4,7 +4,9 @@ Two formats are read, detected from the first non-blank character:
 
 - CSV in the Azure LLM inference trace layout, `TIMESTAMP,ContextTokens,GeneratedTokens`,
   where TIMESTAMP is a wall-clock `YYYY-MM-DD HH:MM:SS[.fffffff]`;
-- JSONL, one object per line with `timestamp` (ms), `input_length`, `output_length`.
+- JSONL, one object per line with `timestamp` (ms), `input_length`, `output_length`,
+  and optionally `hash_ids`: the prompt's prefix blocks in order (Mooncake's format;
+  equal ids are the same reusable KV-cache block, of `TRACE_BLOCK_TOKENS` tokens).
 
 Arrival times are relative to the first request, in ms. Rows are sorted by arrival
 (stably) so an unordered trace still replays in time order.
@@ -39,6 +41,7 @@ from typing import Any
 from local_fleet.engine_model import EngineTiming
 
 CSV_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+TRACE_BLOCK_TOKENS = 512  # tokens per hash_ids block in the Mooncake traces
 JSONL_FIELDS = ("timestamp", "input_length", "output_length")
 
 
@@ -54,6 +57,7 @@ class TraceRequest:
     arrival_ms: float
     prompt_tokens: int
     output_tokens: int
+    blocks: tuple[int, ...] = ()  # prefix block ids (hash_ids), empty when unknown
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
@@ -74,7 +78,7 @@ def parse_trace(text: str, source: str = "<trace>", limit: int | None = None) ->
     if not stripped:
         raise TraceError(f"{source}: the trace is empty")
     rows = _jsonl_rows(text, source) if stripped[0] == "{" else _csv_rows(text, source)
-    raw: list[tuple[float, int, int]] = []
+    raw: list[tuple[float, int, int, tuple[int, ...]]] = []
     for row in rows:
         raw.append(row)
         if limit is not None and len(raw) >= limit:
@@ -83,7 +87,7 @@ def parse_trace(text: str, source: str = "<trace>", limit: int | None = None) ->
         raise TraceError(f"{source}: the trace has no requests")
     raw.sort(key=lambda r: r[0])
     first = raw[0][0]
-    return [TraceRequest(i, t - first, p, o) for i, (t, p, o) in enumerate(raw)]
+    return [TraceRequest(i, t - first, p, o, b) for i, (t, p, o, b) in enumerate(raw)]
 
 
 def _tokens(value: Any, name: str, where: str) -> int:
@@ -105,7 +109,7 @@ def _output(value: Any, where: str) -> int:
     return max(1, _tokens(value, "output tokens", where))
 
 
-def _csv_rows(text: str, source: str) -> Iterator[tuple[float, int, int]]:
+def _csv_rows(text: str, source: str) -> Iterator[tuple[float, int, int, tuple[int, ...]]]:
     reader = csv.reader(io.StringIO(text))
     header = next(reader, None)
     if header is None or tuple(h.strip().lstrip("\ufeff") for h in header[:3]) != CSV_COLUMNS:
@@ -130,10 +134,11 @@ def _csv_rows(text: str, source: str) -> Iterator[tuple[float, int, int]]:
             at_ms,
             _tokens(fields[1].strip(), "ContextTokens", where),
             _output(fields[2].strip(), where),
+            (),
         )
 
 
-def _jsonl_rows(text: str, source: str) -> Iterator[tuple[float, int, int]]:
+def _jsonl_rows(text: str, source: str) -> Iterator[tuple[float, int, int, tuple[int, ...]]]:
     for line_no, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -158,7 +163,16 @@ def _jsonl_rows(text: str, source: str) -> Iterator[tuple[float, int, int]]:
             float(stamp),
             _tokens(obj["input_length"], "input_length", where),
             _output(obj["output_length"], where),
+            _blocks(obj.get("hash_ids", []), where),
         )
+
+
+def _blocks(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise TraceError(f"{where}: hash_ids must be a list of integers")
+    return tuple(value)
 
 
 def service_ms(timing: EngineTiming, prompt_tokens: int, output_tokens: int) -> float:

@@ -45,6 +45,8 @@ class MockEngineConfig:
     crash_rate: float = 0.0  # fraction of requests whose stream stops mid-way
     seed: int | None = None  # seed of the fault draws; None = nondeterministic
     default_output_tokens: int = 128  # output length when the request names no cap
+    prefix_cache_tokens: int = 0  # prefix KV cache (LRU) in tokens; 0 = no prefix caching
+    prefix_block_chars: int = 1024  # characters per cached block (the node's default)
     register_backoff_s: float = 0.5  # first retry delay after a control-plane error
     register_backoff_max_s: float = 10.0  # the retry delay doubles up to this
 
@@ -61,6 +63,8 @@ class MockEngineConfig:
             raise ValueError("error/hang/crash rates must be in [0, 1] and sum to at most 1")
         if self.default_output_tokens < 1:
             raise ValueError("default_output_tokens must be >= 1")
+        if self.prefix_cache_tokens < 0 or self.prefix_block_chars < 16:
+            raise ValueError("need prefix_cache_tokens >= 0 and prefix_block_chars >= 16")
         if self.register is not None:
             if not self.register.startswith(("http://", "https://")):
                 raise ValueError(f"--register must be an http(s) URL, got {self.register!r}")
@@ -103,6 +107,7 @@ class MockEngineConfig:
             decode_ms_per_token=timing.nominal_decode_ms_per_token(),
             epoch=epoch,
             model=self.model,
+            prefix_cache_tokens=self.prefix_cache_tokens,
         )
 
 
@@ -134,6 +139,18 @@ _FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ("--crash-rate", "crash_rate", float, "fraction of requests cut off mid-stream"),
     ("--seed", "seed", int, "seed of the fault draws; unset means random"),
     ("--default-output-tokens", "default_output_tokens", int, "output length without max_tokens"),
+    (
+        "--prefix-cache-tokens",
+        "prefix_cache_tokens",
+        int,
+        "prefix KV cache in tokens, LRU (0 = off); prefill computes only uncached tokens",
+    ),
+    (
+        "--prefix-block-chars",
+        "prefix_block_chars",
+        int,
+        "characters per prefix cache block (keep it the node's prefix_block_chars)",
+    ),
 )
 
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from local_fleet.engine_model import EngineEvent, EngineModel, EngineTiming
+from local_fleet.engine_model import EngineEvent, EngineModel, EngineTiming, PrefixCache
 from local_fleet.mock_engine.config import MockEngineConfig
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,13 @@ class RequestStream:
 class MockEngine:
     """An EngineModel driven in real (monotonic) time, fanning events out per request."""
 
-    def __init__(self, timing: EngineTiming, clock: Callable[[], float] = time.monotonic) -> None:
-        self.model = EngineModel(timing)
+    def __init__(
+        self,
+        timing: EngineTiming,
+        clock: Callable[[], float] = time.monotonic,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        self.model = EngineModel(timing, prefix_cache)
         self.started_ms = time.time_ns() // 1_000_000  # registration epoch: rises on restart
         self._clock = clock
         self._t0 = clock()
@@ -67,7 +72,12 @@ class MockEngine:
         return len(self._streams)
 
     def submit(
-        self, rid: str, prompt_tokens: int, output_tokens: int, gone: Callable[[], bool]
+        self,
+        rid: str,
+        prompt_tokens: int,
+        output_tokens: int,
+        gone: Callable[[], bool],
+        blocks: tuple[str, ...] = (),
     ) -> RequestStream:
         """Queue a request in the model; its events arrive on the returned stream's queue."""
         now = self.now_ms()
@@ -77,7 +87,7 @@ class MockEngine:
             stream.queue.put_nowait(None)
             return stream
         self._dispatch(self.model.advance(now))  # the model needs time in order
-        self.model.submit(rid, prompt_tokens, output_tokens, now)
+        self.model.submit(rid, prompt_tokens, output_tokens, now, blocks)
         self._wake.set()
         return stream
 
@@ -185,9 +195,29 @@ class EngineMetrics:
             registry=reg,
             buckets=E2E_BUCKETS,
         ).labels(model_name)
+        # vLLM v1's prefix cache counters, in tokens (exposed with the _total suffix).
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            labels,
+            registry=reg,
+        ).labels(model_name)
+        self._prefix_seen = (0, 0)
 
     def render(self, model: EngineModel) -> bytes:
         """The text exposition, with the gauges read from the model now."""
+        cache = model.prefix_cache
+        if cache is not None:
+            queries, hits = self._prefix_seen
+            self.prefix_queries.inc(cache.queries - queries)
+            self.prefix_hits.inc(cache.hits - hits)
+            self._prefix_seen = (cache.queries, cache.hits)
         self.running.set(model.num_running)
         self.waiting.set(model.num_waiting)
         self.cache_usage.set(min(1.0, model.num_running / self.max_batch))

@@ -28,8 +28,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from coordinator.prefix import block_hashes, block_tokens, canonical_prompt, salt_key
 from coordinator.tokens import max_output_tokens_of, prompt_tokens_of
-from local_fleet.engine_model import EngineEvent
+from local_fleet.engine_model import EngineEvent, PrefixCache
 from local_fleet.mock_engine.config import (
     FAULT_HEADER,
     FAULTS,
@@ -56,6 +57,8 @@ REGISTRATION_KEY = web.AppKey("mock_engine_registration", list[asyncio.Task[None
 
 log = logging.getLogger(__name__)
 
+# The engine's cache is private: any fixed key works (the node salts its own index).
+ENGINE_PREFIX_KEY = salt_key("mock-engine", "")
 MAX_BODY_BYTES = 64 * 1024 * 1024  # long-context prompts from traces exceed aiohttp's 1 MiB
 SHUTDOWN_TIMEOUT_S = 5.0  # requests are aborted at shutdown; this only bounds stragglers
 WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")
@@ -106,6 +109,7 @@ class _Job:
     stream: bool
     include_usage: bool
     fault: str | None
+    blocks: tuple[str, ...]  # prefix block hashes of the prompt (empty without a cache)
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
         return {
@@ -203,7 +207,16 @@ def _parse_job(request: web.Request, raw: bytes, chat: bool) -> _Job | web.Respo
         stream=body.get("stream") is True,
         include_usage=isinstance(options, dict) and options.get("include_usage") is True,
         fault=request.app[FAULTS_KEY].pick(forced_fault),
+        blocks=_prefix_blocks(config, body),
     )
+
+
+def _prefix_blocks(config: MockEngineConfig, body: dict[str, Any]) -> tuple[str, ...]:
+    """The prompt's blocks, cut and chained as the node does (coordinator/prefix.py)."""
+    if config.prefix_cache_tokens == 0:
+        return ()
+    text = canonical_prompt(body)
+    return tuple(block_hashes(text, ENGINE_PREFIX_KEY, config.prefix_block_chars, 1 << 20))
 
 
 async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -222,7 +235,7 @@ async def _completion(request: web.Request, chat: bool) -> web.StreamResponse:
             engine.finish(job.rid)
         _close_connection(request)
         return web.Response(status=503)  # never reaches the client: the connection is closed
-    stream = engine.submit(job.rid, job.prompt_tokens, job.output_tokens, gone)
+    stream = engine.submit(job.rid, job.prompt_tokens, job.output_tokens, gone, job.blocks)
     # A crash cuts the output half-way, after at least one token.
     crash_after = max(1, job.output_tokens // 2) if job.fault == "crash" else None
     try:
@@ -373,7 +386,10 @@ def create_app(config: MockEngineConfig) -> web.Application:
         # start_mock_engine binds first and passes the real port; create_app cannot.
         raise ValueError("registration needs a concrete port or an advertise URL")
     app = web.Application(client_max_size=MAX_BODY_BYTES)
-    engine = MockEngine(config.timing())
+    cache = None
+    if config.prefix_cache_tokens > 0:
+        cache = PrefixCache(config.prefix_cache_tokens, block_tokens(config.prefix_block_chars))
+    engine = MockEngine(config.timing(), prefix_cache=cache)
     app[CONFIG_KEY] = config
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = EngineMetrics(config.model, config.max_batch)

@@ -102,6 +102,7 @@
     const state = cell("state");
     const total = cell("total num");
     const inflight = cell("inflight num");
+    const cached = cell("cached num");
     const track = cell("track");
     const bar = document.createElement("div");
     bar.className = "bar";
@@ -120,7 +121,7 @@
     spark.className = "spark";
     spark.dataset.instance = id;
     sparkCell.append(spark);
-    return { row, state, total, inflight, bar, segs, spark };
+    return { row, state, total, inflight, cached, bar, segs, spark };
   }
 
   function fmt(value, digits) {
@@ -175,6 +176,13 @@
       r.state.textContent = stateText(inst);
       r.total.textContent = fmt(total, 2);
       r.inflight.textContent = inst.inflight === null ? "–" : String(inst.inflight);
+      const prefix = inst.prefix || {};
+      r.cached.textContent = String(prefix.expected_cached_tokens ?? 0);
+      r.cached.title =
+        "expected cached prompt tokens of this node's last request" +
+        (prefix.index_tokens === null || prefix.index_tokens === undefined
+          ? ""
+          : `; the prefix index holds ${prefix.index_tokens} tokens for it`);
       r.bar.dataset.total = total === null ? "" : String(total);
       r.bar.dataset.inflight = String(inst.inflight ?? "");
       r.bar.title = tooltip(inst, score);

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from local_fleet.engine_model import EngineEvent, EngineModel, EngineTiming
+from local_fleet.engine_model import EngineEvent, EngineModel, EngineTiming, PrefixCache
 
 # Binary-exact numbers, so event times compare exactly.
 T = EngineTiming(
@@ -253,3 +253,42 @@ def test_idle_engine_starts_at_arrival_time() -> None:
     for e in drain(model):
         per_rid[e.rid] += 1
     assert per_rid == {"b": 2}  # first_token + done
+
+
+def first_token_ms(model: EngineModel, rid: str) -> float:
+    return next(e.at_ms for e in drain(model) if e.kind == "first_token" and e.rid == rid)
+
+
+def test_prefix_cache_prefill_computes_only_uncached_tokens() -> None:
+    model = EngineModel(T, PrefixCache(capacity_tokens=1000, block_tokens=100))
+    model.submit("a", 400, 1, 0.0, blocks=("b1", "b2", "b3", "b4"))
+    assert first_token_ms(model, "a") == 10.0 + 0.5 * 400  # cold: all 400 tokens
+    # Shares the first two blocks: 200 tokens cached, 300 computed.
+    model.submit("b", 500, 1, 1000.0, blocks=("b1", "b2", "x3", "x4", "x5"))
+    assert first_token_ms(model, "b") == 1000.0 + 10.0 + 0.5 * 300
+    # A fully cached prompt still computes one token, as vLLM does.
+    model.submit("c", 400, 1, 2000.0, blocks=("b1", "b2", "b3", "b4"))
+    assert first_token_ms(model, "c") == 2000.0 + 10.0 + 0.5 * 1
+    cache = model.prefix_cache
+    assert cache is not None and (cache.queries, cache.hits) == (1300, 200 + 399)
+
+
+def test_prefix_cache_is_lru_in_blocks_and_evicts_tails_first() -> None:
+    cache = PrefixCache(capacity_tokens=300, block_tokens=100)
+    cache.insert(("a1", "a2"))
+    cache.insert(("b1", "b2"))  # 4 blocks > 3: a's tail goes, its head stays
+    assert len(cache) == 3
+    assert cache.lookup(("a1", "a2"), 1000) == 100
+    assert cache.lookup(("b1", "b2"), 1000) == 200
+    # A prefix whose head is missing is not a hit, whatever follows.
+    assert cache.lookup(("zz", "b2"), 1000) == 0
+    none = PrefixCache(capacity_tokens=0, block_tokens=100)
+    none.insert(("a1",))
+    assert len(none) == 0 and none.lookup(("a1",), 500) == 0
+
+
+def test_without_a_cache_blocks_change_nothing() -> None:
+    model = EngineModel(T)
+    model.submit("a", 400, 1, 0.0, blocks=("b1",))
+    model.submit("b", 400, 1, 0.0, blocks=("b1",))
+    assert first_token_ms(model, "b") == 2 * (10.0 + 0.5 * 400)

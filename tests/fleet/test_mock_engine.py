@@ -324,6 +324,37 @@ async def test_metrics_names_and_running_request(
     await wait_for(lambda: eng.engine.active_requests == 0, what="stream forgotten")
 
 
+async def test_prefix_cache_counts_hits_under_vllm_names(
+    start_engine: StartEngine, http: aiohttp.ClientSession
+) -> None:
+    eng = await start_engine(prefix_cache_tokens=100_000, prefix_block_chars=64)
+    system = {"role": "system", "content": "You are a careful assistant. " * 40}
+    turn1 = chat_body(2, messages=[system, {"role": "user", "content": "first question"}])
+    turn2 = chat_body(2, messages=[system, {"role": "user", "content": "another one"}])
+    for body in (turn1, turn2):
+        async with http.post(f"{eng.url}{CHAT}", json=body) as resp:
+            assert resp.status == 200
+    queries = await metric(http, eng.url, "vllm:prefix_cache_queries_total")
+    hits = await metric(http, eng.url, "vllm:prefix_cache_hits_total")
+    assert queries == prompt_tokens_of(turn1) + prompt_tokens_of(turn2)
+    # The second turn found the system prompt's whole blocks (16 tokens each).
+    shared_blocks = (len("system") + 1 + len(system["content"]) + 1) // 64
+    assert hits == shared_blocks * 16
+    cache = eng.engine.model.prefix_cache
+    assert cache is not None and (cache.queries, cache.hits) == (queries, hits)
+
+
+async def test_without_a_prefix_cache_the_counters_stay_zero(
+    start_engine: StartEngine, http: aiohttp.ClientSession
+) -> None:
+    eng = await start_engine()
+    for _ in range(2):
+        async with http.post(f"{eng.url}{CHAT}", json=chat_body(2)) as resp:
+            assert resp.status == 200
+    assert await metric(http, eng.url, "vllm:prefix_cache_hits_total") == 0
+    assert eng.engine.model.prefix_cache is None
+
+
 async def test_two_apps_have_separate_registries() -> None:
     a = create_app(MockEngineConfig(port=0, model="a"))
     b = create_app(MockEngineConfig(port=0, model="b"))

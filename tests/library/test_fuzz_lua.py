@@ -119,7 +119,14 @@ LAYOUTS: dict[str, list[Any]] = {
     ],
     "read_outliers": [],
     "store_hints": [ids, hint, hint, hint],
+    "record_prefix": [
+        st.sampled_from(INSTANCES) | ids,
+        st.integers(0, 10**6).map(str),
+        st.integers(1, 64).map(str),
+        flags,
+    ],
 }
+block_hash = st.text("0123456789abcdef", min_size=1, max_size=16)
 
 
 @dataclass
@@ -177,7 +184,10 @@ def calls(draw: st.DrawFn, name: str) -> Call:
             candidate = draw(st.sampled_from(INSTANCES) | ids)
             args += [candidate, draw(ms), draw(ms), draw(counts), draw(counts)]
         return draw(mutate(name, args))
-    return draw(mutate(name, [draw(position) for position in LAYOUTS[name]]))
+    args = [draw(position) for position in LAYOUTS[name]]
+    if name == "record_prefix":
+        args += draw(st.lists(block_hash, max_size=5))
+    return draw(mutate(name, args))
 
 
 # ---------------------------------------------------------------------- pool
@@ -256,6 +266,8 @@ def extra_keys(c: Coordinator, call: Call) -> list[str]:
         return [c.keys.node_rids(NODE)]
     if call.name in ("record_outcome", "read_outliers"):
         return [c.keys.outliers()]
+    if call.name == "record_prefix":
+        return [c.keys.prefix_owners(), c.keys.prefix_lru()]
     return []
 
 
@@ -277,6 +289,7 @@ def changed_nothing(name: str, reply: Any) -> bool:
         ("restore", "void"),
         ("restore", "exists"),
         ("record_outcome", "unknown"),
+        ("record_prefix", "gone"),
     }
 
 
@@ -343,6 +356,7 @@ BASE_CALLS: dict[str, list[str]] = {
     "record_outcome": ["i0", "fail", "1", "10000", "100", "1000", "50", "10000", "status_500"],
     "read_outliers": [],
     "store_hints": ["i0", "1.5", "", "2"],
+    "record_prefix": ["i0", "1000", "8", "1", "0a1b", "ff00"],
 }
 SWEEP_VALUES = ["-0", "-0.0", "-1", "0x10", " 5", "1e3", "1.5", "nan", "inf", "", "{", "x" * 129]
 

@@ -155,6 +155,7 @@ def test_serve_flags_cover_the_new_knobs() -> None:
         "--eject-max-percent",
         "--insecure-open-control-plane",
         "--instance-model",
+        "--no-prefix-affinity",
     ):
         assert flag in text, flag
     args = parser.parse_args(["--host", "0.0.0.0", "--insecure-open-control-plane"])
@@ -162,6 +163,10 @@ def test_serve_flags_cover_the_new_knobs() -> None:
     args = parser.parse_args(["--idle-timeout-s", "7", "--eject-max-percent", "20"])
     config = config_from_args(args)
     assert (config.idle_timeout_s, config.outlier_policy.max_ejection_percent) == (7.0, 20.0)
+    # Affinity is on by default; the flag turns it off (over the environment too).
+    assert config.settings.prefix_affinity is True
+    args = parser.parse_args(["--no-prefix-affinity"])
+    assert config_from_args(args).settings.prefix_affinity is False
 
 
 async def test_a_registration_cannot_move_a_static_instance(harness: Harness) -> None:

@@ -246,7 +246,15 @@ def test_a_busy_pool_fits_160_columns_and_narrower_terminals_hide_columns() -> N
     text = rendered(busy_pool(), 160)
     assert "hidden" not in text
     header = next(line for line in text.splitlines() if line.split()[:2] == ["rank", "instance"])
-    for name in ("epoch", "slot ms", "prefill free", "backlog ms", "hint ages", "top components"):
+    for name in (
+        "epoch",
+        "slot ms",
+        "free ms",
+        "backlog ms",
+        "cache",
+        "hint ages",
+        "top components",
+    ):
         assert name in header
     assert max(map(len, text.splitlines())) <= 160
     # One hint age for hints of the same heartbeat.

@@ -190,8 +190,16 @@ async def test_debug_instance_loads_is_the_snapshot_selection_uses(harness: Harn
     coordinator = node.coordinator
     snapshot = await coordinator.snapshot()
     ranking = coordinator.rank(snapshot, view["strategy"])
+    held_tokens = await coordinator.prefix.index_tokens([(r.id, r.epoch) for r in snapshot.rows])
     expected = instance_loads_view(
-        snapshot, ranking, coordinator.settings, coordinator.node_id, coordinator.pool
+        snapshot,
+        ranking,
+        coordinator.settings,
+        coordinator.node_id,
+        coordinator.pool,
+        None,
+        coordinator.prefix.last_lookup,
+        held_tokens,
     )
     assert view["generated_at"] <= expected["generated_at"]
     assert _absolute(view) == _absolute(expected)

@@ -23,9 +23,14 @@ def test_parse_completion_sizes_and_stream_flag() -> None:
     body = json.dumps(
         {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 7, "stream": True}
     ).encode()
-    assert parse_completion(body, None, 256) == CompletionRequest(10, 7, True)
-    assert parse_completion(b'{"prompt": "abcd"}', "123", 99) == CompletionRequest(123, 99, False)
+    assert parse_completion(body, None, 256) == CompletionRequest(10, 7, True, [])
+    assert parse_completion(b'{"prompt": "abcd"}', "123", 99) == CompletionRequest(
+        123, 99, False, []
+    )
     assert parse_completion(b'{"prompt": "abcd", "stream": "yes"}', None, 5).stream is False
+    # The hasher sees the decoded body; its hashes ride along.
+    hashed = parse_completion(b'{"prompt": "abcd"}', None, 5, lambda b: [str(b["prompt"])])
+    assert hashed.prefix_hashes == ["abcd"]
 
 
 @pytest.mark.parametrize(

@@ -601,7 +601,9 @@ async def test_no_payload_reaches_redis_logs_or_debug_views(
         seen.extend(views.values())
         return views
 
-    messages = [{"role": "system", "content": marker}, {"role": "user", "content": marker}]
+    # A system prompt of several whole prefix blocks: the prefix index records it.
+    system = " ".join([marker] * 60)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": marker}]
     headers = {"X-Custom": marker, "User-Agent": "tester"}
     try:
         # In flight: the engine holds after its first chunk while we look.
@@ -636,6 +638,11 @@ async def test_no_payload_reaches_redis_logs_or_debug_views(
         ) as resp:
             assert resp.status == 400
         await wait_for(lambda: settled(node.coordinator), what="every release")
+
+        async def indexed() -> bool:  # the prefix index was exercised, and is looked at
+            return bool(await raw.hlen(node.coordinator.keys.prefix_owners()))
+
+        await wait_for(indexed, what="the prefix index written")
         await look()
     finally:
         await raw.aclose()

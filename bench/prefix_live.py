@@ -1,0 +1,206 @@
+"""Two live measurements of prefix affinity for bench/prefix_report.py.
+
+- `follow_up_turns`: multi-turn chats through a local cluster whose nodes run the
+  default configuration (affinity on) and whose mock engines keep a prefix cache:
+  how often a follow-up turn lands on its previous turn's instance, and how evenly
+  the instances are loaded.
+- `redis_cost`: Redis CPU per request of the prefix index (the decision's `HMGET`
+  and `record_prefix`), from `INFO commandstats` of a private server whose index is
+  full, at several pool sizes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from redis.asyncio import Redis
+
+from coordinator import Coordinator, InstanceSpec, Settings
+from coordinator.prefix import block_hashes, salt_key
+
+SYSTEM_WORDS = ("fleet", "engine", "prefix", "cache", "token", "block", "route", "queue")
+
+
+@dataclass(frozen=True, slots=True)
+class TurnsResult:
+    """Where the turns of the conversations went."""
+
+    conversations: int
+    turns: int
+    follow_ups: int  # turns after the first of their conversation
+    same_instance: int  # follow-ups served by their previous turn's instance
+    per_instance: dict[str, int]
+    failed: int
+
+    @property
+    def stickiness(self) -> float:
+        """Share of follow-up turns on their previous turn's instance."""
+        return self.same_instance / self.follow_ups if self.follow_ups else float("nan")
+
+    @property
+    def busiest_over_mean(self) -> float:
+        """Requests of the busiest instance / the mean over instances."""
+        counts = list(self.per_instance.values())
+        return max(counts) / (sum(counts) / len(counts)) if counts else float("nan")
+
+
+def _system_prompt(rng: random.Random, chars: int) -> str:
+    words = [rng.choice(SYSTEM_WORDS) for _ in range(chars // 5)]
+    return " ".join(words)[:chars]
+
+
+async def _conversation(
+    session: aiohttp.ClientSession,
+    urls: list[str],
+    index: int,
+    turns: int,
+    system_chars: int,
+    think_s: float,
+    seen: list[tuple[int, int, str]],
+) -> int:
+    """One conversation, turn after turn, each through the next node; failures."""
+    rng = random.Random(index)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": _system_prompt(rng, system_chars)}
+    ]
+    failed = 0
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"question {turn} of chat {index}: " * 20})
+        url = urls[(index + turn) % len(urls)] + "/v1/chat/completions"
+        body = {"model": "mock", "messages": messages, "max_tokens": 32}
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                failed += 1
+                continue
+            answer = (await resp.json())["choices"][0]["message"]["content"]
+            seen.append((index, turn, resp.headers["X-Instance-Id"]))
+        messages.append({"role": "assistant", "content": answer})
+        await asyncio.sleep(think_s * rng.uniform(0.5, 1.5))
+    return failed
+
+
+async def follow_up_turns(
+    node_urls: list[str],
+    *,
+    conversations: int = 24,
+    turns: int = 4,
+    system_chars: int = 16_000,
+    think_s: float = 1.0,
+) -> TurnsResult:
+    """Run the conversations concurrently (staggered starts); where did the turns go."""
+    seen: list[tuple[int, int, str]] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+
+        async def started(i: int) -> int:
+            await asyncio.sleep(i * think_s / 4)
+            return await _conversation(session, node_urls, i, turns, system_chars, think_s, seen)
+
+        failures = await asyncio.gather(*(started(i) for i in range(conversations)))
+    where = {(c, t): iid for c, t, iid in seen}
+    follow = [(c, t) for c, t in where if t > 0 and (c, t - 1) in where]
+    same = sum(1 for c, t in follow if where[(c, t)] == where[(c, t - 1)])
+    return TurnsResult(
+        conversations,
+        turns,
+        len(follow),
+        same,
+        dict(sorted(Counter(where.values()).items())),
+        sum(failures),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CostResult:
+    """Redis CPU per request of the prefix index at one pool size (µs)."""
+
+    instances: int
+    case: str  # what the requests are
+    lookup_us: float  # one HMGET
+    record_us: float  # one record_prefix (EVALSHA)
+    records_per_request: float  # a request whose blocks were all held records nothing
+
+    @property
+    def total_us(self) -> float:
+        """What the index adds to a request's Redis work."""
+        return self.lookup_us + self.record_us * self.records_per_request
+
+
+def _held_text(instance: int, k: int, blocks: int, chars: int) -> str:
+    """Text of conversation k of an instance, `blocks` blocks long (a longer one
+    extends a shorter one, as a follow-up turn does)."""
+    return f"{instance}:{k}:" + "x" * (chars * blocks)
+
+
+async def redis_cost(
+    redis_url: str,
+    instances: int,
+    *,
+    blocks: int = 30,
+    added: int = 2,
+    requests: int = 1000,
+    capacity_tokens: int = 100_000,
+    seed: int = 0,
+) -> list[CostResult]:
+    """Fill every instance's index to capacity with `blocks`-block conversations, then
+    time what a node does per request: the lookup, and the record on the instance it
+    chose, for follow-up turns (`added` new blocks on a held conversation, sent to
+    its holder) and for new prompts (`blocks` blocks nobody holds)."""
+    pool = f"cost-{instances}-{random.Random(seed).getrandbits(32):08x}"
+    settings = Settings(prefix_cache_tokens=capacity_tokens)
+    chars = settings.prefix_block_chars
+    redis = Redis.from_url(redis_url)
+    coordinator = Coordinator(redis, pool=pool, node_id="cost", settings=settings)
+    prefix = coordinator.prefix
+    key = salt_key(pool, "")
+    out = []
+    try:
+        for i in range(instances):
+            await coordinator.register_instance(
+                InstanceSpec(id=f"i{i}", url=f"http://127.0.0.1:{9000 + i}")
+            )
+        await coordinator.refresh()
+        held_each = capacity_tokens // prefix.block_tokens // blocks
+        for i in range(instances):
+            for k in range(held_each):
+                text = _held_text(i, k, blocks, chars)
+                await prefix.record(f"i{i}", block_hashes(text, key, chars, blocks))
+        rng = random.Random(seed)
+        fresh = held_each
+        for case in (
+            f"follow-up turn: +{added} blocks on a held {blocks}",
+            f"new {blocks}-block prompt",
+        ):
+            await redis.config_resetstat()
+            for _ in range(requests):
+                i = rng.randrange(instances)
+                if case.startswith("new"):
+                    fresh += 1
+                    text, size = _held_text(i, fresh, blocks, chars), blocks
+                else:
+                    size = blocks + added
+                    text = _held_text(i, rng.randrange(held_each), size, chars)
+                hashes = block_hashes(text, key, chars, size)
+                found = await prefix.cached_tokens(hashes)
+                await prefix.record(f"i{i}", hashes, found.get(f"i{i}", 0))
+            stats = await redis.info("commandstats")
+            evalsha = stats.get("cmdstat_evalsha", {"usec_per_call": 0.0, "calls": 0})
+            out.append(
+                CostResult(
+                    instances,
+                    case,
+                    float(stats["cmdstat_hmget"]["usec_per_call"]),
+                    float(evalsha["usec_per_call"]),
+                    int(evalsha["calls"]) / requests,
+                )
+            )
+    finally:
+        keys = [k async for k in redis.scan_iter(match=coordinator.keys.pattern(), count=1000)]
+        if keys:
+            await redis.delete(*keys)
+        await redis.aclose()
+    return out

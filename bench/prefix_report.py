@@ -1,0 +1,424 @@
+"""Prefix-cache affinity measured against issue 16's targets, in one run.
+
+    python bench/prefix_report.py [--write-docs] [--no-live]
+
+1. Simulated Mooncake (`hash_ids`): least_load without and with affinity, the
+   anchor-style baselines (consistent hashing on the first block, SGLang's
+   cache-aware policy) and Dynamo's KV cost, at each engine prefix-cache size of
+   `--capacities`; each engine has that cache in every run, so least_load alone is
+   "least_load without affinity". The affinity row without the hot-spot guard shows
+   what the guard does.
+2. A popular prefix (synthetic): every request shares one long document prefix,
+   the case the hot-spot guard is for, with the same rows.
+3. Simulated Azure traces (no prefixes): least_load with the affinity code path
+   against least_load without it.
+4. Live: a slice of Mooncake through a local cluster (mock engines with the prefix
+   cache, 3 proxy nodes) next to the sim of the same slice: hit rate and TTFT p50.
+5. Live, follow-up turns: 24 four-turn chats through 3 nodes in their default
+   configuration (bench/prefix_live.py).
+6. Redis cost of the index per request at 64 and 1,024 instances.
+
+With --write-docs the text between `<!-- prefix:start -->` and `<!-- prefix:end -->`
+of docs/benchmarks.md is replaced; without it the section is only printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from bench.docs import add_write_docs, write_section
+from bench.live import LiveConfig, LiveRun, run_live
+from bench.prefix_live import CostResult, TurnsResult, follow_up_turns, redis_cost
+from bench.sim.simulator import SimConfig, StrategyResult, simulate
+from bench.sim.traces import TraceRequest, load_trace, scale_to_utilization
+from coordinator.settings import Settings
+from local_fleet.stats import percentile
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACES = ROOT.parent / "shared" / "traces"
+MOONCAKE = TRACES / "mooncake_synthetic.jsonl"
+AZURE = [TRACES / f"azure_llm_2023_{k}.csv" for k in ("conv", "code")]
+CAPACITIES = (400_000, 1_000_000, 2_000_000)
+# (label, sim strategy, hot-spot guard ms: None = the node default)
+MOONCAKE_ROWS: tuple[tuple[str, str, int | None], ...] = (
+    ("least_load", "least_load", None),
+    ("least_load_affinity", "least_load_affinity", None),
+    ("least_load_affinity, guard off", "least_load_affinity", 0),
+    ("consistent_hash", "consistent_hash", None),
+    ("sglang_cache_aware", "sglang_cache_aware", None),
+    ("dynamo_kv", "dynamo_kv", None),
+)
+POPULAR_REQUESTS = 2000  # the popular-prefix workload: requests
+POPULAR_BLOCKS = 80  # blocks of the shared prefix (40,960 tokens), then 2 unique ones
+HIT_SHARE = 0.9  # affinity's hit rate >= this x pure affinity's
+TTFT_SHARE = 0.7  # affinity's TTFT p50 and p99 <= this x least_load's
+ANCHOR_SHARE = 1.1  # affinity's TTFT p99 <= this x the better anchor's
+AZURE_SHARE = 1.03  # no regression without prefixes: within 3%
+LIVE_SHARE = 0.15  # live agrees with the sim within 15% (hit rate, TTFT p50)
+STICKY_SHARE = 0.8  # follow-up turns on their previous turn's instance, at least
+BUSIEST_SHARE = 1.6  # the busiest instance serves at most this x the mean
+COST_US = 30.0  # Redis CPU the index may add per request
+COST_POOLS = (64, 1024)
+COST_CAPACITY = 100_000  # tokens per instance in the cost run (the index is kept full)
+
+Check = tuple[str, float, float, bool]  # what, measured, bound, met
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def ms(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:,.0f}"
+
+
+def scaled(
+    trace: Path, limit: int | None, config: SimConfig, utilization: float
+) -> list[TraceRequest]:
+    return scale_to_utilization(
+        load_trace(trace, limit=limit), config.timing, config.instances, utilization
+    )
+
+
+def popular_prefix(seed: int = 1) -> list[TraceRequest]:
+    """Poisson arrivals that all start with the same long prefix (a shared document)."""
+    rng = random.Random(seed)
+    out, at = [], 0.0
+    for i in range(POPULAR_REQUESTS):
+        at += rng.expovariate(1.0)
+        blocks = (*range(POPULAR_BLOCKS), 1_000_000 + 2 * i, 1_000_001 + 2 * i)
+        output = max(1, int(rng.lognormvariate(4.0, 1.0)))
+        out.append(TraceRequest(i, at, len(blocks) * 512, output, blocks))
+    return out
+
+
+def run_rows(requests: Sequence[TraceRequest], config: SimConfig) -> dict[str, StrategyResult]:
+    out = {}
+    for label, strategy, guard_ms in MOONCAKE_ROWS:
+        started = time.monotonic()
+        row_config = config if guard_ms is None else replace(config, prefix_guard_ms=guard_ms)
+        out[label] = simulate(requests, strategy, row_config)
+        log(f"sim: {label}: {time.monotonic() - started:.1f} s")
+    return out
+
+
+def sim_table(results: dict[str, StrategyResult]) -> str:
+    lines = [
+        "| strategy | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms "
+        "| imbalance | requests per instance |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for label, r in results.items():
+        hit = "n/a" if math.isnan(r.prefix_hit_rate) else f"{r.prefix_hit_rate:.3f}"
+        lines.append(
+            f"| {label} | {hit} | {ms(r.ttft_p50_ms)} | {ms(r.ttft_p90_ms)} "
+            f"| {ms(r.ttft_p99_ms)} | {ms(r.e2e_p50_ms)} | {r.imbalance:.2f} "
+            f"| {' / '.join(map(str, r.assigned))} |"
+        )
+    return "\n".join(lines)
+
+
+def mooncake_checks(r: dict[str, StrategyResult]) -> list[Check]:
+    aff, base = r["least_load_affinity"], r["least_load"]
+    pure, sglang = r["consistent_hash"], r["sglang_cache_aware"]
+    anchor = min(pure.ttft_p99_ms, sglang.ttft_p99_ms)
+    return [
+        ("hit rate >= 0.9 x pure affinity", aff.prefix_hit_rate, HIT_SHARE * pure.prefix_hit_rate,
+         aff.prefix_hit_rate >= HIT_SHARE * pure.prefix_hit_rate),
+        ("TTFT p50 <= 0.7 x least_load", aff.ttft_p50_ms, TTFT_SHARE * base.ttft_p50_ms,
+         aff.ttft_p50_ms <= TTFT_SHARE * base.ttft_p50_ms),
+        ("TTFT p99 <= 0.7 x least_load", aff.ttft_p99_ms, TTFT_SHARE * base.ttft_p99_ms,
+         aff.ttft_p99_ms <= TTFT_SHARE * base.ttft_p99_ms),
+        ("TTFT p99 <= 1.1 x the better anchor", aff.ttft_p99_ms, ANCHOR_SHARE * anchor,
+         aff.ttft_p99_ms <= ANCHOR_SHARE * anchor),
+    ]  # fmt: skip
+
+
+def checks_list(checks: Sequence[Check]) -> str:
+    lines = []
+    for what, measured, bound, met in checks:
+        fmt = (lambda v: f"{v:.3f}") if bound < 10 else ms
+        ratio = measured / bound if bound else math.nan
+        lines.append(
+            f"- {'MET' if met else 'MISSED'}: {what}: {fmt(measured)} vs bound {fmt(bound)} "
+            f"(measured / bound {ratio:.3f})"
+        )
+    return "\n".join(lines)
+
+
+def azure_part(
+    trace: Path, limit: int | None, config: SimConfig, util: float
+) -> tuple[str, list[Check]]:
+    requests = scaled(trace, limit, config, util)
+    base = simulate(requests, "least_load", config)
+    aff = simulate(requests, "least_load_affinity", config)
+    log(f"sim: {trace.name} done")
+    table = sim_table({"least_load": base, "least_load_affinity": aff})
+    checks: list[Check] = [
+        (f"{trace.name}: TTFT {q} within 3% of least_load (or better)", m, AZURE_SHARE * b,
+         m <= AZURE_SHARE * b)
+        for q, m, b in (("p50", aff.ttft_p50_ms, base.ttft_p50_ms),
+                        ("p99", aff.ttft_p99_ms, base.ttft_p99_ms))
+    ]  # fmt: skip
+    return table, checks
+
+
+def live_part(run: LiveRun, control: LiveRun) -> tuple[str, list[Check]]:
+    cmp = run.comparisons[0]
+    sim, live = cmp.sim, cmp.live
+    plain = control.comparisons[0]
+    lines = [
+        "| | hit rate | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | completed | per instance |",
+        "|---|---:|---:|---:|---:|---:|---|",
+        f"| sim ({sim.strategy}) | {sim.prefix_hit_rate:.3f} | {ms(sim.ttft_p50_ms)} "
+        f"| {ms(sim.ttft_p99_ms)} | {ms(sim.e2e_p50_ms)} | {sim.completed}/{sim.requests} "
+        f"| {' / '.join(map(str, sim.assigned))} |",
+        f"| live ({live.strategy}, affinity on) | {live.prefix_hit_rate:.3f} "
+        f"| {ms(live.ttft_p50_ms)} | {ms(live.ttft_p99_ms)} | {ms(live.e2e_p50_ms)} "
+        f"| {live.completed}/{live.requests} | {' / '.join(map(str, live.assigned.values()))} |",
+        f"| control, sim (least_load, no engine cache) | n/a | {ms(plain.sim.ttft_p50_ms)} "
+        f"| {ms(plain.sim.ttft_p99_ms)} | {ms(plain.sim.e2e_p50_ms)} "
+        f"| {plain.sim.completed}/{plain.sim.requests} | - |",
+        f"| control, live (least_load, no engine cache) | n/a | {ms(plain.live.ttft_p50_ms)} "
+        f"| {ms(plain.live.ttft_p99_ms)} | {ms(plain.live.e2e_p50_ms)} "
+        f"| {plain.live.completed}/{plain.live.requests} | - |",
+    ]
+    checks: list[Check] = []
+    for what, a, b in (
+        ("live hit rate within 15% of the sim's", live.prefix_hit_rate, sim.prefix_hit_rate),
+        ("live TTFT p50 within 15% of the sim's", live.ttft_p50_ms, sim.ttft_p50_ms),
+    ):
+        deviation = abs(a / b - 1.0) if b else math.inf
+        checks.append((what + f" (deviation {deviation:.1%})", a, b, deviation <= LIVE_SHARE))
+    note = (
+        f"\n\nThe control replays the same slice with no prefix cache anywhere: its live "
+        f"TTFT p50 is {plain.ratio:.2f}x the sim's, the harness's own deviation on these "
+        "long prompts, with no affinity involved."
+    )
+    return "\n".join(lines) + note, checks
+
+
+def turns_part(instances: int, nodes: int) -> tuple[str, list[Check]]:
+    from local_fleet.cluster import LocalCluster, free_port_block  # the live parts only
+
+    s = Settings()
+    cluster = LocalCluster(
+        nodes=nodes,
+        engines=instances,
+        base_port=free_port_block(nodes, instances),
+        pool="prefix-turns",
+        engine_args=["--prefix-cache-tokens", str(s.prefix_cache_tokens)],
+    )
+    cluster.start(timeout_s=60)
+    try:
+        r: TurnsResult = asyncio.run(follow_up_turns(cluster.node_urls))
+    finally:
+        cluster.stop()
+    text = (
+        f"{r.conversations} conversations of {r.turns} turns (a 16,000-character system "
+        f"prompt of its own, each turn adds a question and the answer; ~1 s between "
+        f"turns, turn k through node (conversation + k) mod {nodes}); {instances} mock "
+        f"engines at speed 1 with a {s.prefix_cache_tokens:,}-token prefix cache; nodes "
+        f"in their default configuration. Follow-ups on the previous turn's instance: "
+        f"{r.same_instance}/{r.follow_ups}; requests per instance: "
+        f"{' / '.join(map(str, r.per_instance.values()))}; failed: {r.failed}."
+    )
+    checks: list[Check] = [
+        ("follow-up turns on the previous turn's instance >= 80%", r.stickiness,
+         STICKY_SHARE, r.stickiness >= STICKY_SHARE),
+        ("busiest instance <= 1.6 x the mean", r.busiest_over_mean, BUSIEST_SHARE,
+         r.busiest_over_mean <= BUSIEST_SHARE),
+    ]  # fmt: skip
+    return text, checks
+
+
+def cost_part() -> tuple[str, list[Check]]:
+    from local_fleet.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    try:
+        results: list[CostResult] = [
+            r
+            for n in COST_POOLS
+            for r in asyncio.run(redis_cost(server.url, n, capacity_tokens=COST_CAPACITY))
+        ]
+    finally:
+        server.stop()
+    lines = [
+        "| instances | requests | HMGET µs | record_prefix µs | records per request "
+        "| total µs per request |",
+        "|---:|---|---:|---:|---:|---:|",
+        *(
+            f"| {r.instances:,} | {r.case} | {r.lookup_us:.1f} | {r.record_us:.1f} "
+            f"| {r.records_per_request:.2f} | {r.total_us:.1f} |"
+            for r in results
+        ),
+    ]
+    checks: list[Check] = [
+        (f"index Redis CPU per request <= 30 µs at {r.instances:,} instances, {r.case}",
+         r.total_us, COST_US, r.total_us <= COST_US)
+        for r in results
+    ]  # fmt: skip
+    return "\n".join(lines), checks
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mooncake", type=Path, default=MOONCAKE, help="trace with hash_ids")
+    parser.add_argument(
+        "--azure", type=Path, nargs="*", default=AZURE, help="traces without prefixes"
+    )
+    parser.add_argument(
+        "--azure-limit", type=int, default=10000, help="first N Azure requests (0 = all)"
+    )
+    parser.add_argument(
+        "--capacities",
+        default=",".join(map(str, CAPACITIES)),
+        help="engine prefix caches (tokens) to simulate; the live run uses the first",
+    )
+    parser.add_argument("--utilization", type=float, default=0.8)
+    parser.add_argument("--instances", type=int, default=8)
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument(
+        "--live-offset", type=int, default=0, help="first request of the live slice"
+    )
+    parser.add_argument("--live-limit", type=int, default=300, help="requests in the live slice")
+    parser.add_argument("--speed", type=float, default=None, help="live speed (default: auto)")
+    parser.add_argument("--no-live", action="store_true", help="simulate only")
+    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    add_write_docs(parser, "--doc")
+    args = parser.parse_args(argv)
+    capacities = [int(c) for c in args.capacities.split(",") if c.strip()]
+    started = time.monotonic()
+    command = shlex.join(
+        ["python", "bench/prefix_report.py", *(argv if argv is not None else sys.argv[1:])]
+    )
+    parts: list[str] = []
+    summary: list[Check] = []
+    for capacity in capacities:
+        config = SimConfig(instances=args.instances, nodes=args.nodes, prefix_cache_tokens=capacity)
+        requests = scaled(args.mooncake, None, config, args.utilization)
+        log(f"sim: {args.mooncake.name}, {len(requests)} requests, cache {capacity:,} tokens")
+        results = run_rows(requests, config)
+        checks = mooncake_checks(results)
+        own = sorted(config.timing.prefill_ms(r.prompt_tokens) for r in requests)
+        summary += [(f"{w} (cache {capacity:,})", m, b, ok) for w, m, b, ok in checks]
+        parts.append(
+            f"### `{args.mooncake.name}`, engine prefix cache {capacity:,} tokens\n\n"
+            f"{sim_table(results)}\n\n{checks_list(checks)}\n\n"
+            f"For scale: a request's own prefill with nothing cached is "
+            f"{ms(percentile(own, 50))} ms at p50 and {ms(percentile(own, 99))} ms at p99; "
+            "a TTFT p99 near the latter comes from long prompts that share nothing cached."
+        )
+    base = SimConfig(instances=args.instances, nodes=args.nodes, prefix_cache_tokens=capacities[0])
+    popular = scale_to_utilization(popular_prefix(), base.timing, args.instances, args.utilization)
+    log(f"sim: a popular prefix, {len(popular)} requests")
+    parts.append(
+        f"### A popular prefix (synthetic), engine prefix cache {capacities[0]:,} tokens\n\n"
+        f"{len(popular)} Poisson requests, each a {POPULAR_BLOCKS}-block (40,960-token) shared "
+        "prefix plus 2 blocks of its own, log-normal outputs (median 55); utilization "
+        f"{args.utilization:g} of uncached work, so once cached the fleet is nearly idle: "
+        "what matters is whether the shared prefix piles everything onto its holders "
+        "(imbalance, idle instances) or spreads.\n\n"
+        f"{sim_table(run_rows(popular, base))}"
+    )
+    for trace in args.azure:
+        table, checks = azure_part(trace, args.azure_limit or None, base, args.utilization)
+        summary += checks
+        parts.append(f"### `{trace.name}` (no prefixes)\n\n{table}\n\n{checks_list(checks)}")
+    if not args.no_live:
+        live_config = LiveConfig(
+            instances=args.instances,
+            nodes=args.nodes,
+            speed=args.speed,
+            prefix_cache_tokens=capacities[0],
+        )
+        run = run_live(
+            args.mooncake,
+            offset=args.live_offset,
+            limit=args.live_limit,
+            utilization=args.utilization,
+            strategies=["least_load"],
+            config=live_config,
+            progress=log,
+        )
+        control = run_live(
+            args.mooncake,
+            offset=args.live_offset,
+            limit=args.live_limit,
+            utilization=args.utilization,
+            strategies=["least_load"],
+            config=replace(live_config, prefix_cache_tokens=0, speed=run.config.rate),
+            progress=log,
+        )
+        table, checks = live_part(run, control)
+        summary += checks
+        parts.append(
+            f"### Live: {run.limit} requests of `{args.mooncake.name}` from request "
+            f"{run.offset}, engine prefix cache {capacities[0]:,} tokens, speed "
+            f"{run.config.rate:g}\n\n{table}\n\n{checks_list(checks)}"
+        )
+        log("live: follow-up turns")
+        text, checks = turns_part(args.instances, args.nodes)
+        summary += checks
+        parts.append(f"### Live: follow-up turns\n\n{text}\n\n{checks_list(checks)}")
+    log("redis cost")
+    table, checks = cost_part()
+    summary += checks
+    parts.append(
+        "### Redis cost of the index\n\nRedis CPU per request (`INFO commandstats` "
+        "usec_per_call on a private server) for the decision's `HMGET` and the "
+        "`record_prefix` call after it, with every instance's index full at "
+        f"{COST_CAPACITY:,} tokens of 30-block conversations (Mooncake's mean prompt). This adds to the "
+        "decision's flat cost (docs/scaling.md): the lookup is one command of fixed "
+        "size and the record touches only the chosen instance's entries, whatever "
+        f"the pool size.\n\n{table}\n\n{checks_list(checks)}"
+    )
+    seconds = time.monotonic() - started
+    text = section(command, parts, summary, args, seconds)
+    print(text)
+    if args.write_docs:
+        write_section("prefix", text, args.doc)
+        log(f"wrote {args.doc} in {seconds:.0f} s")
+    return 0
+
+
+def section(
+    command: str, parts: list[str], summary: list[Check], args: argparse.Namespace, seconds: float
+) -> str:
+    s = Settings()
+    met = sum(1 for *_, ok in summary if ok)
+    head = f"""## Prefix-cache affinity (issue 16)
+
+Generated by `{command}` in {seconds:.0f} s: every table below comes from this one
+run, side by side. Fleet: {args.instances} engines (`local_fleet.engine_model`, each
+with a prefix cache: LRU of whole 512-token trace blocks, a prefill computes only
+its uncached tokens), {args.nodes} proxy nodes, utilization {args.utilization:g}
+(computed on uncached work, so caching lowers the real load). The nodes' defaults:
+`ttft_ms` weight {s.weights.ttft_ms:g}, hot-spot guard {s.prefix_guard_ms} ms, at
+most {s.prefix_max_blocks} blocks looked up per request, {s.prefix_max_owners}
+owners per block. *Hit rate*: cached / queried prompt tokens, from the engines'
+caches (the counters the mock engine exports as `vllm:prefix_cache_hits` /
+`vllm:prefix_cache_queries`). Baselines (bench/sim/prefix_policies.py):
+*consistent_hash* routes on the first block alone (pure affinity);
+*sglang_cache_aware* is the SGLang router's policy with its defaults (cache
+threshold 0.5, balance thresholds abs 32 / rel 1.1 on inflight requests);
+*dynamo_kv* is Dynamo's KV router cost with overlap weight 1. The oracle is left
+out: it does not look into prefix caches.
+
+Summary: {met} of {len(summary)} targets met.
+"""
+    return head + "\n" + "\n\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Prefix-aware routing in the simulator: the node's shared index, and baselines.
+
+`SharedPrefixIndex` is the node's index (lua/record_prefix.lua, coordinator/prefix.py)
+in memory: per instance an LRU of block ids bounded by the instance's capacity (a
+prompt's blocks queued tail first), each block remembering its `max_owners` most
+recent instances; a node records the deepest block the instance held and the ones
+after it, and a lookup credits each instance with the deepest block it holds.
+tests/benchmarks/test_sim_prefix.py checks it against the real index on a server.
+
+Baselines (each one node's choice from the same shared information):
+
+- `consistent_hash`: the first block's id on a hash ring of the instances (64
+  virtual points each); pure affinity, blind to load.
+- `sglang_cache_aware`: the SGLang router's cache-aware policy. When the load
+  (inflight requests) is imbalanced, `max - min > abs_threshold` and
+  `max > rel_threshold * min`, the least loaded instance; otherwise the instance
+  with the longest prefix match if its match ratio (matched / prompt tokens) is
+  above `cache_threshold`, else the instance whose index holds the fewest blocks.
+  Defaults are the sgl-router's (cache 0.5, abs 32, rel 1.1).
+- `dynamo_kv`: NVIDIA Dynamo's KV router cost, lowest wins:
+  `overlap_weight * (queued prefill tokens + uncached tokens of the request) / block
+  + active KV blocks` (tokens of live requests / block); weight 1 is Dynamo's default.
+"""
+
+from __future__ import annotations
+
+import bisect
+import zlib
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+
+class SharedPrefixIndex:
+    """The fleet's approximate prefix index (lua/record_prefix.lua), in memory."""
+
+    def __init__(self, capacity_blocks: int, max_owners: int = 8) -> None:
+        self.capacity_blocks = capacity_blocks
+        self.max_owners = max_owners
+        self._lru: dict[str, OrderedDict[Hashable, None]] = {}
+        self._owners: dict[Hashable, list[str]] = {}  # most recent last
+
+    def size(self, instance: str) -> int:
+        """Blocks the index holds for an instance."""
+        return len(self._lru.get(instance, ()))
+
+    def record(self, instance: str, blocks: Sequence[Hashable], held: int = 0) -> None:
+        """The chosen instance now holds these blocks (LRU, bounded); `held` leading
+        blocks of them it held already (only the deepest of those is refreshed)."""
+        if self.capacity_blocks <= 0 or held >= len(blocks):
+            return
+        blocks = blocks[max(0, held - 1) :]
+        lru = self._lru.setdefault(instance, OrderedDict())
+        for block in reversed(blocks):
+            owners = self._owners.setdefault(block, [])
+            if instance in owners:
+                owners.remove(instance)
+            owners.append(instance)
+            while len(owners) > self.max_owners:
+                self._lru[owners.pop(0)].pop(block, None)
+            lru[block] = None
+            lru.move_to_end(block)
+        while len(lru) > self.capacity_blocks:
+            block, _ = lru.popitem(last=False)
+            owners = self._owners[block]
+            owners.remove(instance)
+            if not owners:
+                del self._owners[block]
+
+    def cached_blocks(
+        self, blocks: Sequence[Hashable], max_blocks: int = 1 << 30
+    ) -> dict[str, int]:
+        """Blocks each instance holds: its deepest block held (instances with none absent)."""
+        held: dict[str, int] = {}
+        looked = blocks[:max_blocks]
+        for position in range(len(looked) - 1, -1, -1):
+            for owner in self._owners.get(looked[position], ()):
+                held.setdefault(owner, position + 1)
+        return held
+
+
+class HashRing:
+    """Consistent hashing of block ids onto instances (64 virtual points each)."""
+
+    def __init__(self, ids: Sequence[str], points: int = 64) -> None:
+        ring = sorted(
+            (zlib.crc32(f"{iid}#{p}".encode()), iid) for iid in ids for p in range(points)
+        )
+        self._keys = [k for k, _ in ring]
+        self._ids = [iid for _, iid in ring]
+
+    def owner(self, key: Hashable) -> str:
+        """The instance a key maps to."""
+        h = zlib.crc32(repr(key).encode())
+        return self._ids[bisect.bisect(self._keys, h) % len(self._ids)]
+
+
+@dataclass(frozen=True, slots=True)
+class SglangThresholds:
+    """The SGLang router's cache-aware knobs (sgl-router defaults)."""
+
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.1
+
+
+def sglang_choice(
+    ids: Sequence[str],
+    loads: Sequence[int],
+    matched_tokens: dict[str, int],
+    prompt_tokens: int,
+    index_sizes: Sequence[int],
+    t: SglangThresholds,
+) -> int:
+    """The SGLang cache-aware choice (module docstring), as an index into `ids`."""
+    high, low = max(loads), min(loads)
+    if high - low > t.balance_abs_threshold and high > t.balance_rel_threshold * low:
+        return loads.index(low)
+    best = max(range(len(ids)), key=lambda k: (matched_tokens.get(ids[k], 0), -loads[k]))
+    ratio = matched_tokens.get(ids[best], 0) / max(1, prompt_tokens)
+    if ratio > t.cache_threshold:
+        return best
+    return min(range(len(ids)), key=lambda k: (index_sizes[k], loads[k]))
+
+
+def dynamo_choice(
+    queued_prefill_tokens: Sequence[int],
+    uncached_tokens: Sequence[int],
+    active_tokens: Sequence[int],
+    block_tokens: int,
+    overlap_weight: float = 1.0,
+) -> int:
+    """Dynamo's KV router choice (module docstring), as an index; first on ties."""
+    costs = [
+        overlap_weight * (queued + new) / block_tokens + active / block_tokens
+        for queued, new, active in zip(
+            queued_prefill_tokens, uncached_tokens, active_tokens, strict=True
+        )
+    ]
+    return costs.index(min(costs))

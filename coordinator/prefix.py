@@ -1,0 +1,146 @@
+"""Prefix blocks of a prompt: a canonical prompt string, cut into fixed-size blocks,
+hashed as a salted chain.
+
+Blocks are characters, not tokens: the node has no tokenizer (tokens.py estimates
+tokens as characters / 4), and a character block boundary depends only on the text,
+so every node and the mock engine cut a prompt the same way. A block of
+`block_chars` characters stands for `block_chars / CHARS_PER_TOKEN` tokens.
+
+Each block's hash covers its whole prefix (`h_i = H(h_{i-1} || block_i)`), so equal
+hashes at position i mean equal prompts up to the end of block i: this is how an
+engine's prefix KV cache matches, and why one hash per block is enough to ask "how
+much of this prompt does an instance hold". Only whole blocks are hashed (an engine
+caches whole blocks too). The hash is keyed BLAKE2b: the key mixes the pool name and
+a deployment secret (`Settings.prefix_salt`), so equal prompts in different pools or
+deployments do not share hashes, and nobody without the salt can test a guessed
+prompt against the index (docs/security.md). No text is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from coordinator.tokens import CHARS_PER_TOKEN, content_text
+
+DIGEST_BYTES = 8  # 64-bit block hashes: 16 hex characters in Redis
+# Separators that cannot occur inside a role name, so role/content splits are unambiguous.
+ROLE_END, MESSAGE_END = "\x1f", "\x1e"
+
+
+def canonical_prompt(body: dict[str, Any]) -> str:
+    """The prompt of a chat or completion request as one deterministic string.
+
+    Chat: for each message in order, `role`, U+001F, the text of its content (string
+    or the `text` of its content parts, concatenated), U+001E. A follow-up turn, which
+    repeats the conversation so far, therefore starts with the previous turn's string.
+    Completion: the `prompt` string (a list of prompts: the first one). Anything else:
+    the empty string (no blocks).
+    """
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return "".join(
+            f"{m.get('role', '')}{ROLE_END}{content_text(m.get('content'))}{MESSAGE_END}"
+            for m in messages
+            if isinstance(m, dict) and isinstance(m.get("role", ""), str)
+        )
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        prompt = prompt[0] if prompt else ""
+    return prompt if isinstance(prompt, str) else ""
+
+
+def salt_key(pool: str, salt: str) -> bytes:
+    """The BLAKE2b key of a pool: pool name and deployment salt, at most 64 bytes."""
+    return hashlib.blake2b(f"{pool}\0{salt}".encode(), digest_size=32).digest()
+
+
+def chain_hashes(blocks: Sequence[bytes], key: bytes) -> list[str]:
+    """Chained keyed hashes of blocks, as hex: each covers every block up to it."""
+    out: list[str] = []
+    previous = b""
+    for block in blocks:
+        digest = hashlib.blake2b(previous + block, key=key, digest_size=DIGEST_BYTES).digest()
+        out.append(digest.hex())
+        previous = digest
+    return out
+
+
+def block_hashes(text: str, key: bytes, block_chars: int, max_blocks: int) -> list[str]:
+    """Hashes of the first `max_blocks` whole blocks of `text`."""
+    if block_chars < 1:
+        raise ValueError("block_chars must be >= 1")
+    whole = min(len(text) // block_chars, max_blocks)
+    blocks = [
+        text[i * block_chars : (i + 1) * block_chars].encode("utf-8", "surrogatepass")
+        for i in range(whole)
+    ]
+    return chain_hashes(blocks, key)
+
+
+def block_tokens(block_chars: int) -> int:
+    """Tokens one character block stands for (the chars/4 rule, at least 1)."""
+    return max(1, block_chars // CHARS_PER_TOKEN)
+
+
+def parse_owners(raw: str) -> list[tuple[str, int]]:
+    """The (instance id, epoch) entries of one owners value ("<id>|<epoch>|<stamp> ...")."""
+    out = []
+    for entry in raw.split():
+        owner, _, rest = entry.partition("|")
+        epoch, _, _stamp = rest.partition("|")
+        if owner and epoch.isdigit():
+            out.append((owner, int(epoch)))
+    return out
+
+
+def cached_blocks(
+    owner_values: Sequence[str | None], epoch_of: Callable[[str], int | None]
+) -> dict[str, int]:
+    """Blocks of the prompt each instance holds, from the owners of its blocks in order.
+
+    An instance holding block i holds the prompt up to the end of block i: the hash
+    chains over everything before it, and an engine's cache drops a prefix's tail
+    before its head. So the credit is the deepest block held, even where shallower
+    entries of the index were evicted first (a node refreshes only the blocks it
+    adds, see `PrefixIndex.record`). An entry counts only at the instance's current
+    epoch: a restart empties the engine's cache, and so voids the index at once.
+    """
+    held: dict[str, int] = {}
+    for position in range(len(owner_values) - 1, -1, -1):
+        for owner, epoch in parse_owners(owner_values[position] or ""):
+            if owner not in held and epoch_of(owner) == epoch:
+                held[owner] = position + 1
+    return held
+
+
+def guarded_cached_tokens(
+    cached: Mapping[str, int],
+    backlog_of: Callable[[str], float | None],
+    floor_backlog_ms: float,
+    guard_ms: int,
+) -> dict[str, int]:
+    """The hot-spot guard: cache credit fades as an instance gets busier than the least
+    busy candidate, and is gone once it is `guard_ms` of backlog ahead.
+
+    Without it, the predicted TTFT sends every request of a popular prefix to its one
+    holder until that holder's queue is as long as the prefill the cache saves (for a
+    30k-token prefix, over 2 s) while other instances idle. With it, once the holder is
+    `guard_ms` busier than the idlest instance, the next request goes where the load is
+    lowest and that instance computes (and from then on holds) the prefix too: a
+    popular prefix spreads over as many instances as its load needs. `guard_ms` = 0
+    turns the guard off (the credit is never faded). An instance without a known
+    backlog keeps no credit.
+    """
+    if guard_ms <= 0:
+        return dict(cached)
+    out: dict[str, int] = {}
+    for iid, tokens in cached.items():
+        backlog = backlog_of(iid)
+        if backlog is None:
+            continue
+        share = 1.0 - max(0, backlog - floor_backlog_ms) / guard_ms
+        if share > 0:
+            out[iid] = int(tokens * min(1.0, share))
+    return out

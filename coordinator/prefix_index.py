@@ -1,0 +1,123 @@
+"""The fleet-shared, approximate prefix index of one pool (lua/record_prefix.lua).
+
+At decision time a node asks how many leading blocks of the prompt each instance
+holds: one HMGET of at most `prefix_max_blocks` fields, whatever the pool size, and
+the epochs come from the node's own snapshot cache. After the choice, it records the
+prompt's blocks against the chosen instance: one bounded script call. Both degrade
+to "nothing cached" / "nothing recorded" while Redis is unreachable: affinity is an
+optimization, never a reason to fail a request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from coordinator.errors import CoordinationUnavailableError
+from coordinator.keys import PoolKeys
+from coordinator.prefix import block_hashes, block_tokens, cached_blocks, canonical_prompt, salt_key
+from coordinator.settings import Settings
+
+SAMPLE_EVERY = 8  # one record call in this many also reclaims void entries (a sample)
+CallScript = Callable[[str, list[Any], tuple[str | bytes, ...]], Any]
+
+
+class PrefixIndex:
+    """Hashing, lookup and recording of prompt prefix blocks for one pool."""
+
+    def __init__(
+        self,
+        redis: Any,
+        keys: PoolKeys,
+        settings: Settings,
+        call: CallScript,
+        epoch_of: Callable[[str], int | None],
+        capacity_tokens: Callable[[str], int | None],
+        unavailable: tuple[type[BaseException], ...],
+        degraded: Callable[[], bool],
+    ) -> None:
+        self._redis = redis
+        self._settings = settings
+        self._call = call
+        self._epoch_of = epoch_of
+        self._capacity_tokens = capacity_tokens
+        self._unavailable = unavailable
+        self._degraded = degraded
+        self._key = salt_key(keys.pool, settings.prefix_salt)
+        self._owners = keys.prefix_owners()
+        self._lru = keys.prefix_lru()
+        self.block_tokens = block_tokens(settings.prefix_block_chars)
+        # Expected cached tokens per instance of the last request this node looked up
+        # (numbers only), for /debug/instance_loads and the dashboard.
+        self.last_lookup: dict[str, int] = {}
+        self._records = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the node routes by prefix (Settings.prefix_affinity)."""
+        return self._settings.prefix_affinity
+
+    def hashes(self, body: dict[str, Any]) -> list[str]:
+        """The salted block hashes of a request body (none when affinity is off)."""
+        if not self.enabled:
+            return []
+        s = self._settings
+        return block_hashes(
+            canonical_prompt(body), self._key, s.prefix_block_chars, s.prefix_max_blocks
+        )
+
+    async def cached_tokens(self, hashes: Sequence[str]) -> dict[str, int]:
+        """Expected cached prompt tokens per instance (instances with none are absent)."""
+        if not hashes or self._degraded():
+            return {}  # degraded: no Redis round trip (and no timeout) per request
+        try:
+            values = await self._redis.hmget(self._owners, list(hashes))
+        except self._unavailable:
+            return {}  # the reserve that follows notices the outage and degrades
+        owners = [None if v is None else v.decode() if isinstance(v, bytes) else v for v in values]
+        held = cached_blocks(owners, self._epoch_of)
+        self.last_lookup = {iid: blocks * self.block_tokens for iid, blocks in held.items()}
+        return self.last_lookup
+
+    async def index_tokens(self, instances: Sequence[tuple[str, int]]) -> dict[str, int]:
+        """Tokens the index holds per (instance id, epoch): one pipelined count each.
+
+        For debug views and `coordinator inspect`, never on the request path.
+        """
+        if not instances:
+            return {}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for iid, epoch in instances:
+                stem = f"{iid}#{epoch:010d}"
+                pipe.zlexcount(self._lru, f"[{stem}|", f"({stem}}}")
+            counts = await pipe.execute()
+        return {
+            iid: int(n) * self.block_tokens for (iid, _), n in zip(instances, counts, strict=True)
+        }
+
+    async def record(self, instance_id: str, hashes: Sequence[str], held_tokens: int = 0) -> None:
+        """Record that `instance_id` now holds these blocks (best effort).
+
+        `held_tokens` is what the lookup found the instance holding already: only the
+        deepest block it held (refreshed) and the new ones after it are sent, so a
+        conversation's next turn costs the blocks it adds, not its whole history.
+        """
+        held = held_tokens // self.block_tokens
+        if held >= len(hashes):
+            return  # nothing new (or nothing at all): every block was held already
+        hashes = hashes[max(0, held - 1) :]
+        capacity = self._capacity_tokens(instance_id)
+        if capacity is None:
+            capacity = self._settings.prefix_cache_tokens
+        self._records += 1
+        sample = int(self._records % SAMPLE_EVERY == 1)
+        args = [
+            instance_id,
+            capacity // self.block_tokens,
+            self._settings.prefix_max_owners,
+            sample,
+        ]
+        try:
+            await self._call("record_prefix", [*args, *hashes], (self._owners, self._lru))
+        except CoordinationUnavailableError:
+            pass  # degraded: nothing to record into; the index is approximate anyway

@@ -1,0 +1,100 @@
+"""Prefix block hashing (coordinator/prefix.py): chain, salt, canonical prompts."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coordinator.prefix import (
+    block_hashes,
+    cached_blocks,
+    canonical_prompt,
+    guarded_cached_tokens,
+    parse_owners,
+    salt_key,
+)
+
+KEY = salt_key("pool", "")
+
+
+@given(st.text(min_size=0, max_size=200), st.text(min_size=0, max_size=200))
+def test_equal_hashes_exactly_up_to_the_first_differing_block(a: str, b: str) -> None:
+    ha, hb = block_hashes(a, KEY, 8, 64), block_hashes(b, KEY, 8, 64)
+    for i in range(min(len(ha), len(hb))):
+        same_prefix = a[: 8 * (i + 1)] == b[: 8 * (i + 1)]
+        assert (ha[i] == hb[i]) == same_prefix
+
+
+def test_only_whole_blocks_are_hashed_and_capped() -> None:
+    assert len(block_hashes("x" * 23, KEY, 8, 64)) == 2
+    assert len(block_hashes("x" * 800, KEY, 8, 5)) == 5
+    assert block_hashes("short", KEY, 8, 64) == []
+
+
+def test_a_block_hash_depends_on_everything_before_it() -> None:
+    # The same second block behind a different first block hashes differently.
+    assert (
+        block_hashes("AAAAAAAACCCCCCCC", KEY, 8, 4)[1]
+        != block_hashes("BBBBBBBBCCCCCCCC", KEY, 8, 4)[1]
+    )
+
+
+def test_salt_separates_pools_and_deployments() -> None:
+    text = "y" * 64
+    base = block_hashes(text, salt_key("p", ""), 8, 8)
+    assert base != block_hashes(text, salt_key("q", ""), 8, 8)
+    assert base != block_hashes(text, salt_key("p", "secret"), 8, 8)
+    assert base == block_hashes(text, salt_key("p", ""), 8, 8)
+
+
+def test_hashes_are_hex_digests_that_carry_no_text() -> None:
+    text = "the secret plan " * 8
+    for h in block_hashes(text, KEY, 16, 64):
+        assert len(h) == 16 and int(h, 16) >= 0
+        assert "secret" not in h
+
+
+def test_a_follow_up_turn_extends_the_previous_canonical_prompt() -> None:
+    turn1 = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "q1"}]}
+    turn2 = {
+        "messages": [
+            *turn1["messages"],
+            {"role": "assistant", "content": [{"type": "text", "text": "a1"}]},
+            {"role": "user", "content": "q2"},
+        ]
+    }
+    assert canonical_prompt(turn2).startswith(canonical_prompt(turn1))
+    assert canonical_prompt(turn1) == "system\x1fS\x1euser\x1fq1\x1e"
+    # Roles are part of the prompt: the same text as another role is another prompt.
+    swapped = {"messages": [{"role": "user", "content": "S"}, {"role": "user", "content": "q1"}]}
+    assert canonical_prompt(swapped) != canonical_prompt(turn1)
+
+
+def test_completion_prompts_and_other_bodies() -> None:
+    assert canonical_prompt({"prompt": "abc"}) == "abc"
+    assert canonical_prompt({"prompt": ["first", "second"]}) == "first"
+    assert canonical_prompt({"prompt": 5}) == ""
+    assert canonical_prompt({}) == ""
+
+
+def test_cached_blocks_credits_the_deepest_block_held_at_the_current_epoch() -> None:
+    epochs = {"a": 1, "b": 2}.get
+    owners = ["a|1|9 b|2|9 c|1|9", "a|1|8 b|1|8", None, "a|1|7"]
+    # c is not registered and b's second block is from an older epoch: b holds 1
+    # block. a holds block 4, so the prompt up to its end (chained hashes), although
+    # the index lost its entry for block 3.
+    assert cached_blocks(owners, epochs) == {"a": 4, "b": 1}
+    assert cached_blocks([], epochs) == {}
+    assert parse_owners("x:y|3|12 bad z|q|1") == [("x:y", 3)]
+
+
+def test_guard_fades_credit_with_backlog_above_the_idlest() -> None:
+    backlogs = {"hot": 3000.0, "warm": 1500.0, "idle": 1000.0, "blind": None}.get
+    cached = {"hot": 8000, "warm": 8000, "idle": 8000, "blind": 8000}
+    # Floor 1000 ms, guard 2000 ms: warm is 500 ms ahead (a quarter faded), hot 2000
+    # ms ahead (all faded), an instance without a backlog keeps nothing.
+    assert guarded_cached_tokens(cached, backlogs, 1000.0, 2000) == {
+        "warm": 6000,
+        "idle": 8000,
+    }
+    assert guarded_cached_tokens(cached, backlogs, 1000.0, 0) == cached

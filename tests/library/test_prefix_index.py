@@ -1,0 +1,221 @@
+"""The shared prefix index (lua/record_prefix.lua, coordinator/prefix_index.py) against
+the real server and fakeredis (they must agree): lookup, bounds, epochs, privacy."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator import Coordinator, ScriptArgumentError
+from tests.conftest import MakeCoordinator
+from tests.helpers import spec
+
+BLOCK = 64  # characters per block in these tests
+TOKENS = BLOCK // 4  # tokens one block stands for
+
+
+async def setup(make: MakeCoordinator, n: int = 3, **spec_fields: int) -> Coordinator:
+    c = await make("n1", prefix_block_chars=BLOCK)
+    for i in range(n):
+        await c.register_instance(spec(i, **spec_fields))
+    await c.refresh()
+    return c
+
+
+def text(*parts: str) -> str:
+    """One BLOCK-sized block per part: the part repeated."""
+    return "".join((p * BLOCK)[:BLOCK] for p in parts)
+
+
+def hashes(c: Coordinator, *parts: str) -> list[str]:
+    return c.prefix.hashes({"prompt": text(*parts)})
+
+
+async def lru_members(c: Coordinator) -> list[str]:
+    return [str(m) for m in await c.redis.zrange(c.keys.prefix_lru(), 0, -1)]
+
+
+async def test_lookup_counts_the_leading_blocks_each_instance_holds(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    c = await setup(make_coordinator)
+    await c.prefix.record("i0", hashes(c, "a", "b", "c", "d"))
+    await c.prefix.record("i1", hashes(c, "a", "b"))
+    assert await c.prefix.cached_tokens(hashes(c, "a", "b", "c", "x")) == {
+        "i0": 3 * TOKENS,
+        "i1": 2 * TOKENS,
+    }
+    # A block only counts behind its whole prefix: "b" after "x" is another hash.
+    assert await c.prefix.cached_tokens(hashes(c, "x", "b")) == {}
+    assert await c.prefix.cached_tokens([]) == {}
+
+
+async def test_capacity_bounds_an_instance_and_evicts_oldest_tails_first(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    c = await setup(make_coordinator, prefix_cache_tokens=4 * TOKENS)
+    await c.prefix.record("i0", hashes(c, "a", "b", "c"))
+    await c.prefix.record("i0", hashes(c, "x", "y"))
+    members = await lru_members(c)
+    assert len(members) == 4
+    assert await c.redis.hlen(c.keys.prefix_owners()) == 4
+    # The older request lost its deepest block; its head is still held.
+    assert await c.prefix.cached_tokens(hashes(c, "a", "b", "c")) == {"i0": 2 * TOKENS}
+    assert await c.prefix.cached_tokens(hashes(c, "x", "y")) == {"i0": 2 * TOKENS}
+
+
+async def test_recording_again_refreshes_instead_of_duplicating(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    c = await setup(make_coordinator)
+    for _ in range(3):
+        await c.prefix.record("i0", hashes(c, "a", "b"))
+    assert len(await lru_members(c)) == 2
+    owners = await c.redis.hgetall(c.keys.prefix_owners())
+    assert all(value.count("i0|") == 1 for value in owners.values())
+
+
+async def test_max_owners_keeps_the_most_recent_instances(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    c = await make_coordinator("n1", prefix_block_chars=BLOCK, prefix_max_owners=2)
+    for i in range(4):
+        await c.register_instance(spec(i))
+    await c.refresh()
+    for i in range(4):
+        await c.prefix.record(f"i{i}", hashes(c, "a"))
+    assert await c.prefix.cached_tokens(hashes(c, "a")) == {"i2": TOKENS, "i3": TOKENS}
+    assert len(await lru_members(c)) == 2
+
+
+async def test_epoch_bump_voids_at_once_and_storage_is_reclaimed(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    c = await setup(make_coordinator)
+    await c.prefix.record("i0", hashes(c, "a", "b"))
+    await c.register_instance(spec(0, epoch=2))
+    await c.refresh()
+    assert await c.prefix.cached_tokens(hashes(c, "a", "b")) == {}
+    await c.prefix.record("i0", hashes(c, "z"))
+    members = await lru_members(c)
+    assert len(members) == 1 and members[0].startswith("i0#0000000002|")
+    assert await c.redis.hlen(c.keys.prefix_owners()) == 1
+
+
+async def test_an_unregistered_instance_is_reclaimed_by_later_records(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    c = await setup(make_coordinator)
+    await c.prefix.record("i1", hashes(c, "a", "b", "c"))
+    await c.prefix.record("i0", hashes(c, "q"))
+    await c.unregister_instance("i1")
+    await c.refresh()
+    assert await c.prefix.cached_tokens(hashes(c, "a")) == {}
+    # Every 8th record samples one member; i1 holds 3 of 4, so this ends within a few
+    # samples (the chance that all 25 of 200 calls miss it is below 1e-15).
+    for _ in range(200):
+        if not any(m.startswith("i1#") for m in await lru_members(c)):
+            break
+        await c.prefix.record("i0", hashes(c, "q"))
+    assert [m.split("|")[0] for m in await lru_members(c)] == ["i0#0000000001"]
+    assert await c.redis.hlen(c.keys.prefix_owners()) == 1
+
+
+async def test_nothing_but_hashes_and_ids_is_stored(make_coordinator: MakeCoordinator) -> None:
+    c = await setup(make_coordinator)
+    secret = "my password is hunter2 " * 20
+    await c.prefix.record("i0", c.prefix.hashes({"prompt": secret}))
+    values = await c.redis.hgetall(c.keys.prefix_owners())
+    stored = " ".join([*values, *values.values(), *await lru_members(c)])
+    assert values and "hunter2" not in stored and "password" not in stored
+
+
+async def test_bad_arguments_are_refused(make_coordinator: MakeCoordinator) -> None:
+    c = await setup(make_coordinator)
+    keys = (c.keys.prefix_owners(), c.keys.prefix_lru())
+    with pytest.raises(ScriptArgumentError):
+        await c._direct_call("record_prefix", ["i0", 10, 8, 0, "not-hex"], keys)
+    with pytest.raises(ScriptArgumentError):
+        await c._direct_call("record_prefix", ["i0", -1, 8, 0, "ab"], keys)
+    with pytest.raises(ScriptArgumentError):
+        await c._direct_call("record_prefix", ["i0", 10, 8, 2, "ab"], keys)
+    reply = await c._direct_call("record_prefix", ["nobody", 10, 8, 0, "ab"], keys)
+    assert [str(x) for x in reply] == ["gone"]
+
+
+async def test_reserve_follows_the_cache_until_the_guard_says_it_is_too_busy(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Predicted prefill 0.1 ms/token: 9000 cached tokens save 900 ms on i0."""
+    for guard_ms, expected in ((0, "i0"), (200, "i1")):
+        c = await make_coordinator(f"n-guard-{guard_ms}", prefix_guard_ms=guard_ms)
+        for i in range(2):
+            await c.register_instance(spec(i, prefill_ms_per_token=0.1, prefill_overhead_ms=5.0))
+        await c.refresh()
+        busy = await c.reserve(5000, 1, exclude=["i1"])  # i0: ~505 ms of backlog
+        res = await c.reserve(10_000, 1, cached_tokens={"i0": 9000})
+        # Without the guard, 505 ms of queue beats 900 ms of prefill: i0 piles up.
+        # With a 200 ms guard, i0's credit is gone: the idle i1 computes the prefix.
+        assert res.instance_id == expected, guard_ms
+        # Whatever ranking used, the reservation keeps the full expected credit.
+        assert res.cached_tokens == (9000 if expected == "i0" else 0)
+        for r in (busy, res):
+            await c.release(r.rid)
+        await c.unregister_instance("i0")
+        await c.unregister_instance("i1")
+
+
+async def test_a_stale_view_still_follows_the_cache_while_the_credit_outweighs_the_change(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Reserve passes over a candidate that got busier since the caller's view (so
+    simultaneous bursts spread); a cache credit worth more than that change keeps it."""
+    timing = {"prefill_ms_per_token": 0.1, "prefill_overhead_ms": 5.0}
+    stale = await make_coordinator("n-stale", snapshot_max_age_ms=600_000)
+    other = await make_coordinator("n-other")
+    for i in range(2):
+        await stale.register_instance(spec(i, **timing))
+    await stale.refresh()  # the view this node decides on below
+    await other.refresh()
+    taken = await other.reserve(100, 1, exclude=["i1"])  # i0 is now busier than seen
+    assert taken.instance_id == "i0"
+    # 9000 cached tokens save 900 ms, worth 900 * 0.05 / 2 = 22 requests of load.
+    res = await stale.reserve(10_000, 1, cached_tokens={"i0": 9000})
+    assert res.instance_id == "i0" and res.cached_tokens == 9000
+
+
+async def test_a_follow_up_records_only_the_blocks_it_adds(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    c = await setup(make_coordinator)
+    first = hashes(c, "a", "b", "c")
+    await c.prefix.record("i0", first)
+    follow_up = hashes(c, "a", "b", "c", "d", "e")
+    held = (await c.prefix.cached_tokens(follow_up))["i0"]
+    assert held == 3 * TOKENS
+    before = {m.rsplit("|", 1)[1]: m for m in await lru_members(c)}
+    await c.prefix.record("i0", follow_up, held)
+    after = {m.rsplit("|", 1)[1]: m for m in await lru_members(c)}
+    # The head it already had is untouched, its deepest block refreshed, two added.
+    assert sorted(after) == sorted(follow_up)
+    assert [after[h] == before[h] for h in first] == [True, True, False]
+    assert await c.prefix.cached_tokens(follow_up) == {"i0": 5 * TOKENS}
+    # Nothing new: no call at all (the index is left as it is).
+    await c.prefix.record("i0", follow_up, 5 * TOKENS)
+    assert {m.rsplit("|", 1)[1]: m for m in await lru_members(c)} == after
+
+
+async def test_a_degraded_node_does_not_ask_redis(make_coordinator: MakeCoordinator) -> None:
+    """Degraded, every lookup would wait for a Redis timeout: it answers at once."""
+    c = await setup(make_coordinator)
+    h = hashes(c, "a", "b")
+    await c.prefix.record("i0", h)
+    assert await c.prefix.cached_tokens(h) == {"i0": 2 * TOKENS}
+
+    class Refusing:
+        async def hmget(self, *args: object) -> None:
+            raise AssertionError("a degraded node sent HMGET")
+
+    c.prefix._redis = Refusing()
+    c._degraded = True  # what _enter_degraded sets (without starting its recovery task)
+    assert await c.prefix.cached_tokens(h) == {}
+    await c.prefix.record("i0", h)  # and records nothing, silently
