@@ -76,6 +76,10 @@ class PoolKeys:
         """Hash of passive-health state, "<id>:<field>" (see lua/record_outcome.lua)."""
         return f"{self.stem}:outliers"
 
+    def timing(self) -> str:
+        """Hash of learned timing and output length (coordinator/timing.py records)."""
+        return f"{self.stem}:timing"
+
     def pattern(self) -> str:
         """A SCAN/ACL pattern matching every key of the pool."""
         return f"{self.stem}:*"

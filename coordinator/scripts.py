@@ -22,6 +22,7 @@ SCRIPT_NAMES = (
     "record_outcome",
     "read_outliers",
     "store_hints",
+    "merge_timing",
 )
 
 

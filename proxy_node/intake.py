@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.coordinator import MAX_TOKENS
 from coordinator.tokens import max_output_tokens_of, prompt_tokens_of
@@ -44,6 +44,8 @@ class CompletionRequest:
     prompt_tokens: int
     expected_output_tokens: int
     stream: bool
+    model: str | None = field(default=None, compare=False)  # the body's model, when a string
+    output_cap: int | None = field(default=None, compare=False)  # max_tokens, when given
 
 
 def parse_completion(
@@ -53,7 +55,7 @@ def parse_completion(
 
     The prompt size comes from `X-Prompt-Tokens` when the client sends it (it may know
     the exact count), else from the shared chars/4 rule. The expected output is the
-    client's cap, else the node's running average (`default_output_tokens`).
+    client's cap, else `default_output_tokens` (the pool's learned output length).
     """
     try:
         body = json.loads(raw)
@@ -76,4 +78,11 @@ def parse_completion(
         _check_output_cap(name, body.get(name))
     cap = max_output_tokens_of(body)
     expected = min(cap if cap is not None else default_output_tokens, MAX_TOKENS)
-    return CompletionRequest(prompt, expected, body.get("stream") is True)
+    model = body.get("model")
+    return CompletionRequest(
+        prompt,
+        expected,
+        body.get("stream") is True,
+        model if isinstance(model, str) else None,
+        cap,
+    )

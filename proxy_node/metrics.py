@@ -15,6 +15,7 @@ from coordinator.snapshot import Snapshot
 from coordinator.strategies import Score
 
 DECISION_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+RELATIVE_ERROR_BUCKETS = (0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 # gauge name -> (help, InstanceLoad attribute)
@@ -173,6 +174,13 @@ class NodeMetrics:
             "proxy_ttft_seconds",
             "Time to first response byte as the proxy observes it (2xx only)",
             buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.ttft_prediction_error = Histogram(
+            "proxy_ttft_prediction_relative_error",
+            "|observed - predicted| / max(observed, 1 ms) of the TTFT of streamed requests",
+            ["instance"],
+            buckets=RELATIVE_ERROR_BUCKETS,
             registry=r,
         )
         self.connect_retries = Counter(
