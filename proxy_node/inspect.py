@@ -175,6 +175,7 @@ async def read_pool(coordinator: Coordinator, settings: Settings) -> PoolState:
         # snapshot() hides an unreachable Redis behind degraded mode: ask it directly
         # first so the error names the cause, then check the state snapshot() left.
         await coordinator.redis.ping()
+        await coordinator.sync_timing()  # the learned timing every node predicts with
         snapshot = await coordinator.snapshot()
         if coordinator.coordination != "ok":
             raise InspectError(f"cannot read pool {coordinator.pool!r}: Redis did not answer")
@@ -321,6 +322,7 @@ INSTANCE_COLUMNS: tuple[tuple[str, JustifyMethod, int], ...] = (
     ("slot ms", "right", 11),
     ("prefill free", "right", 10),
     ("backlog ms", "right", 6),
+    ("timing", "left", 12),
     ("hint ages", "left", 8),
     ("score", "right", 3),
     ("top components", "left", 7),
@@ -352,10 +354,26 @@ def _instance_cells(row: dict[str, Any]) -> list[Text]:
         Text(_num(row["next_slot_ready_in_ms"])),
         Text(_num(row["prefill_free_in_ms"])),
         Text(_num(row["predicted_total_backlog_ms"])),
+        Text(timing_label(row.get("timing"))),
         _hint_ages(row["hints"]),
         Text(_num(score.get("total"), 3)),
         Text(_top_components(score.get("weighted_components") or {})),
     ]
+
+
+TIMING_SOURCES = {"configured": "cfg", "learned": "learn", "pool": "pool", "default": "dflt"}
+
+
+def timing_label(timing: dict[str, Any] | None) -> str:
+    """Where prefill/decode timing comes from, with the samples: `learn40/learn38`."""
+    if not timing:
+        return "-"
+    parts = []
+    for part in ("prefill", "decode"):
+        source = TIMING_SOURCES.get(str(timing.get(part)), "?")
+        samples = timing.get(f"{part}_samples") or 0
+        parts.append(f"{source}{samples}" if samples else source)
+    return "/".join(parts)
 
 
 def _rank_order(row: dict[str, Any]) -> tuple[bool, int, str]:

@@ -102,6 +102,7 @@
     const state = cell("state");
     const total = cell("total num");
     const inflight = cell("inflight num");
+    const timing = cell("timing");
     const track = cell("track");
     const bar = document.createElement("div");
     bar.className = "bar";
@@ -120,7 +121,7 @@
     spark.className = "spark";
     spark.dataset.instance = id;
     sparkCell.append(spark);
-    return { row, state, total, inflight, bar, segs, spark };
+    return { row, state, total, inflight, timing, bar, segs, spark };
   }
 
   function fmt(value, digits) {
@@ -175,6 +176,8 @@
       r.state.textContent = stateText(inst);
       r.total.textContent = fmt(total, 2);
       r.inflight.textContent = inst.inflight === null ? "–" : String(inst.inflight);
+      r.timing.textContent = timingText(inst.timing);
+      r.timing.title = timingTitle(inst.timing);
       r.bar.dataset.total = total === null ? "" : String(total);
       r.bar.dataset.inflight = String(inst.inflight ?? "");
       r.bar.title = tooltip(inst, score);
@@ -208,6 +211,23 @@
     if (!inst.alive) return "stale";
     if (isEjected(inst)) return `ejected ${Math.ceil(inst.outlier.ejected_for_ms / 1000)}s`;
     return "alive";
+  }
+
+  // Where the predicting timing comes from: configured, learned (with samples), the
+  // pool's learned average, or the documented default.
+  function timingText(t) {
+    if (!t) return "–";
+    const n = t.prefill === "learned" ? ` ${t.prefill_samples}` : "";
+    return `${t.prefill}${n}`;
+  }
+
+  function timingTitle(t) {
+    if (!t) return "no timing";
+    return [
+      `prefill: ${fmt(t.prefill_ms_per_token, 3)} ms/token + ${fmt(t.prefill_overhead_ms, 1)} ms` +
+        ` (${t.prefill}, ${t.prefill_samples} samples)`,
+      `decode: ${fmt(t.decode_ms_per_token, 2)} ms/token (${t.decode}, ${t.decode_samples} samples)`,
+    ].join("\n");
   }
 
   function tooltip(inst, score) {
