@@ -73,11 +73,12 @@ class Weights:
 
 # Named weights. `seed`: the seed's formula exactly (DESIGN.md §3). `ttft`: the same
 # layers, with the predicted wait counted as this request's predicted TTFT on each
-# candidate (backlog + own uncached prefill, ms) at 0.05 per ms, so a 4k-token prefill
-# of a few seconds ahead outweighs many requests (docs/benchmarks.md measures both).
+# candidate (backlog + own uncached prefill, ms) at 0.2 per ms: 5 ms of predicted TTFT
+# weigh one request, so a prefill of seconds ahead outweighs any queue of short ones
+# (docs/benchmarks.md measures both).
 WEIGHT_PRESETS: dict[str, Weights] = {
     "seed": Weights(),
-    "ttft": Weights(backlog_ms=0.0, ttft_ms=0.05),
+    "ttft": Weights(backlog_ms=0.0, ttft_ms=0.2),
 }
 DEFAULT_WEIGHTS = "ttft"  # what Settings (and so `coordinator serve`) uses by default
 

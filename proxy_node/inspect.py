@@ -302,6 +302,7 @@ def render(state: PoolState, redis_url: str, width: int | None = None) -> Group:
     return Group(
         header,
         _instance_table(instances, width),
+        _timing_table(instances),
         _node_table(state.nodes, now_ms),
         _phase_line(state.phases),
     )
@@ -322,7 +323,6 @@ INSTANCE_COLUMNS: tuple[tuple[str, JustifyMethod, int], ...] = (
     ("slot ms", "right", 11),
     ("prefill free", "right", 10),
     ("backlog ms", "right", 6),
-    ("timing", "left", 12),
     ("hint ages", "left", 8),
     ("score", "right", 3),
     ("top components", "left", 7),
@@ -354,26 +354,39 @@ def _instance_cells(row: dict[str, Any]) -> list[Text]:
         Text(_num(row["next_slot_ready_in_ms"])),
         Text(_num(row["prefill_free_in_ms"])),
         Text(_num(row["predicted_total_backlog_ms"])),
-        Text(timing_label(row.get("timing"))),
         _hint_ages(row["hints"]),
         Text(_num(score.get("total"), 3)),
         Text(_top_components(score.get("weighted_components") or {})),
     ]
 
 
-TIMING_SOURCES = {"configured": "cfg", "learned": "learn", "pool": "pool", "default": "dflt"}
-
-
-def timing_label(timing: dict[str, Any] | None) -> str:
-    """Where prefill/decode timing comes from, with the samples: `learn40/learn38`."""
-    if not timing:
-        return "-"
-    parts = []
-    for part in ("prefill", "decode"):
-        source = TIMING_SOURCES.get(str(timing.get(part)), "?")
-        samples = timing.get(f"{part}_samples") or 0
-        parts.append(f"{source}{samples}" if samples else source)
-    return "/".join(parts)
+def _timing_table(instances: list[dict[str, Any]]) -> Table:
+    """The timing each instance is predicted with, and where it came from."""
+    table = Table(
+        title="prediction timing", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False
+    )
+    for name, justify in (
+        ("instance", "left"),
+        ("prefill from", "left"),
+        ("ms/token", "right"),
+        ("overhead ms", "right"),
+        ("decode from", "left"),
+        ("ms/token ", "right"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for row in sorted(instances, key=_rank_order):
+        t = row.get("timing")
+        if not t:
+            continue
+        table.add_row(
+            str(row["id"]),
+            f"{t['prefill']} ({t['prefill_samples']})",
+            _num(t["prefill_ms_per_token"], 3),
+            _num(t["prefill_overhead_ms"], 1),
+            f"{t['decode']} ({t['decode_samples']})",
+            _num(t["decode_ms_per_token"], 2),
+        )
+    return table
 
 
 def _rank_order(row: dict[str, Any]) -> tuple[bool, int, str]:

@@ -33,7 +33,9 @@ async def test_an_engine_without_timing_gets_predictions_and_its_sources_are_sho
     assert count == 3
     async with harness.http.get(node.url + "/metrics") as resp:
         text = await resp.text()
-    assert re.search(r'proxy_ttft_prediction_relative_error_bucket\{instance="e0",le="0.25"\}', text)
+    assert re.search(
+        r'proxy_ttft_prediction_relative_error_bucket\{instance="e0",le="0.25"\}', text
+    )
 
 
 async def test_configured_timing_is_shown_as_configured(harness: Harness) -> None:
