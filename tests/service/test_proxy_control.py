@@ -171,7 +171,8 @@ async def test_debug_instance_loads_is_the_snapshot_selection_uses(harness: Harn
     engines = [await harness.engine(gate_after=1) for _ in range(3)]
     node = await harness.node()
     base = node.control_url + "/v1/instances"
-    for i, (engine, running) in enumerate(zip(engines, (0, 4, 7), strict=True)):
+    # Far apart: the default weights also count each request's predicted TTFT.
+    for i, (engine, running) in enumerate(zip(engines, (0, 5, 9), strict=True)):
         assert (await call(harness, "POST", base, {"id": f"e{i}", "url": engine.url}))[0] == 201
         hints = {"engine_running": running, "engine_waiting": 1}
         assert (await call(harness, "POST", f"{base}/e{i}/heartbeat", hints))[0] == 200
@@ -201,7 +202,7 @@ async def test_debug_instance_loads_is_the_snapshot_selection_uses(harness: Harn
     # default timing turns the predicted layer on; no prefill is pending, no backlog)
     assert rows["e0"]["least_load_score"]["total"] == pytest.approx(3.25)
     assert rows["e0"]["least_load_score"]["sources"]["instantaneous"] == "hints"
-    assert rows["e2"]["hints"]["engine_running"]["value"] == 7
+    assert rows["e2"]["hints"]["engine_running"]["value"] == 9
     assert view["node_id"] == coordinator.node_id and view["pool"] == coordinator.pool
     assert view["coordination"] == "ok" and view["weights"]["inflight"] == 1.0
     for engine in engines:
