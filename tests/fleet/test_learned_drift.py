@@ -13,10 +13,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from coordinator import Coordinator
 from coordinator.tokens import CHARS_PER_TOKEN
 from local_fleet.engine_model import EngineTiming
 from local_fleet.mock_engine import MockEngineConfig, RunningMockEngine, start_mock_engine
-from tests.fake_engine import Harness
+from tests.fake_engine import Harness, NodeServer
 from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -26,23 +27,31 @@ TRUE_PER_TOKEN = EngineTiming().prefill_ms_per_token / SPEED
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[RunningMockEngine]:
-    running = await start_mock_engine(MockEngineConfig(port=0, speed=SPEED, seed=1))
+async def node_and_engine(harness: Harness) -> AsyncIterator[tuple[NodeServer, RunningMockEngine]]:
+    """A node, and a mock engine that registers itself there (heartbeats) with no timing."""
+    coordinator = await harness.coordinator(timing_flush_ms=1_000)
+    node = await harness.node(coordinator)
+    config = MockEngineConfig(
+        port=0,
+        speed=SPEED,
+        seed=1,
+        register=node.control_url,
+        instance_id="e0",
+        register_timing="none",
+    )
+    running = await start_mock_engine(config)
     try:
-        yield running
+        yield node, running
     finally:
         await running.stop()
 
 
 async def test_a_node_learns_an_engine_and_follows_its_drift(
-    harness: Harness, engine: RunningMockEngine
+    harness: Harness, node_and_engine: tuple[NodeServer, RunningMockEngine]
 ) -> None:
-    coordinator = await harness.coordinator(timing_flush_ms=1_000)
-    node = await harness.node(coordinator)
-    async with harness.http.post(
-        node.control_url + "/v1/instances", json={"id": "e0", "url": engine.url}
-    ) as resp:
-        assert resp.status == 201
+    node, engine = node_and_engine
+    coordinator = node.coordinator
+    await wait_for(lambda: _registered(coordinator), 10, "the engine to register itself")
     rng = random.Random(3)
     stop = asyncio.Event()
     headers: list[str] = []
@@ -80,3 +89,7 @@ async def test_a_node_learns_an_engine_and_follows_its_drift(
     finally:
         stop.set()
         await sender
+
+
+async def _registered(coordinator: Coordinator) -> bool:
+    return any(row.id == "e0" and row.alive for row in await coordinator.list_instances())
