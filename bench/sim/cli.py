@@ -14,7 +14,7 @@ from bench.sim.simulator import EXPECTED_OUTPUT_MODES, REGISTERED_TIMING, STRATE
 from bench.sim.synthetic import DEFAULT_REQUESTS
 from bench.sim.traces import TraceError
 from coordinator.errors import InvalidArgumentError
-from coordinator.settings import Settings, Weights
+from coordinator.settings import DEFAULT_WEIGHTS, Settings, Weights
 
 
 def strategy_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
@@ -108,7 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--weights",
         type=_weights,
         default=None,
-        help="least_load weights as name=value,...; unnamed ones keep the seed's defaults",
+        help="least_load weights: [preset,]name=value,... (presets: seed, ttft); unnamed "
+        f"ones keep the preset's, the seed's when none is named; default: {DEFAULT_WEIGHTS}, "
+        "as `coordinator serve`",
     )
     add_heterogeneity_arguments(parser)
     parser.add_argument(
@@ -178,11 +180,12 @@ def command(args: argparse.Namespace) -> list[str]:
         cmd += ["--registered-timing", args.registered_timing]
     if args.learn:
         cmd += ["--learn"]
-    defaults = Weights().as_dict()
-    weights = args.weights or Weights()
-    changed = {k: v for k, v in weights.as_dict().items() if v != defaults[k]}
-    if changed:
-        cmd += ["--weights", ",".join(f"{k}={v:g}" for k, v in changed.items())]
+    weights = args.weights or Weights.preset(DEFAULT_WEIGHTS)
+    if weights != Weights.preset(DEFAULT_WEIGHTS):
+        # Spelled against the seed, which is what --weights without a preset starts from.
+        seed = Weights().as_dict()
+        changed = {k: v for k, v in weights.as_dict().items() if v != seed[k]}
+        cmd += ["--weights", ",".join(f"{k}={v:g}" for k, v in changed.items()) or "seed"]
     return cmd
 
 
@@ -197,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
             expected_output=args.expected_output,
             max_slots=args.max_slots,
             seed=args.seed,
-            weights=args.weights or Weights(),
+            weights=args.weights or Weights.preset(DEFAULT_WEIGHTS),
             speeds=args.speeds,
             registered_timing=args.registered_timing,
             learn=args.learn,
