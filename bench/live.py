@@ -49,13 +49,13 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench.sim.cli import add_workload_arguments, strategy_list
+from bench.sim.cli import add_heterogeneity_arguments, add_workload_arguments
 from bench.sim.report import json_ready
 from bench.sim.simulator import SimConfig, StrategyResult, compare
 from bench.sim.synthetic import load_requests, workload_name
@@ -66,7 +66,8 @@ from bench.sim.traces import (
     offered_load,
     scale_to_utilization,
 )
-from coordinator.settings import STRATEGIES, Settings, Weights
+from coordinator.settings import DEFAULT_WEIGHTS, STRATEGIES, WEIGHT_PRESETS, Settings, Weights
+from coordinator.timing import relative_error
 from coordinator.tokens import CHARS_PER_TOKEN
 from local_fleet.engine_model import EngineTiming
 from local_fleet.pools import delete_pool
@@ -94,6 +95,7 @@ WARMUP_PER_NODE = 4
 # outgoing connections could take one between our check and the child's bind.
 START_ATTEMPTS = 3  # with auto-picked ports, a start that fails is retried on a new block
 PROGRESS_EVERY_S = 2.0  # stderr progress period
+PREDICTION_WARMUP = 150  # requests before prediction accuracy is counted (learning first)
 FILLER = "lorem ipsum dolor sit amet consectetur adipiscing elit "  # ASCII: 1 char = 1 byte
 BLOCK_CHARS = TRACE_BLOCK_TOKENS * CHARS_PER_TOKEN  # one trace block as text (chars/4 rule)
 
@@ -117,6 +119,10 @@ class LiveConfig:
     request_timeout_s: float = 120.0  # one request, real seconds (streaming included)
     start_timeout_s: float = 60.0  # cluster start-up, real seconds
     prefix_cache_tokens: int = 0  # each mock engine's prefix cache (and the sim's); 0 = none
+    speeds: tuple[float, ...] = ()  # relative engine speeds, cycled (engine j: speed x this)
+    registered_timing: str = "exact"  # exact | none | shared (what the engines register)
+    max_prompt_tokens: int | None = None  # prompts longer than this are cut to it
+    max_output_tokens: int | None = None  # outputs longer than this are cut to it
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.nodes < 1:
@@ -127,6 +133,34 @@ class LiveConfig:
             raise ValueError("timeouts must be > 0")
         if self.prefix_cache_tokens < 0:
             raise ValueError("prefix_cache_tokens must be >= 0")
+        if any(not (math.isfinite(v) and v > 0) for v in self.speeds):
+            raise ValueError("speeds must be finite and > 0")
+        if self.registered_timing not in ("exact", "none", "shared"):
+            raise ValueError("registered_timing must be exact, none or shared")
+        for cap in (self.max_prompt_tokens, self.max_output_tokens):
+            if cap is not None and cap < 1:
+                raise ValueError("token caps must be >= 1")
+
+    def relative_speed(self, j: int) -> float:
+        """Engine j's speed relative to the fleet's base speed."""
+        return self.speeds[j % len(self.speeds)] if self.speeds else 1.0
+
+    @property
+    def capacity(self) -> float:
+        """The fleet's capacity in base-speed engines (what utilization divides by)."""
+        return sum(self.relative_speed(j) for j in range(self.instances))
+
+    def engine_args(self) -> list[list[str]]:
+        """Per engine: its --speed and what it registers."""
+        out = []
+        for j in range(self.instances):
+            args = ["--speed", repr(self.rate * self.relative_speed(j))]
+            if self.registered_timing == "none":
+                args += ["--register-timing", "none"]
+            elif self.registered_timing == "shared":
+                args += ["--register-speed", repr(self.rate)]
+            out.append(args)
+        return out
 
     @property
     def rate(self) -> float:
@@ -147,15 +181,14 @@ class LiveConfig:
             math.ceil(2000 * self.scrape_interval_s), math.ceil(HINT_TTL_ENGINE_MS / self.rate)
         )
 
-    @property
-    def weights(self) -> Weights:
-        """least_load weights for the live nodes: backlog_ms and ttft_ms per real ms."""
-        w = Weights()
+    def weights(self, preset: str = DEFAULT_WEIGHTS) -> Weights:
+        """least_load weights for the live nodes: the ms-valued ones per real ms."""
+        w = Weights.preset(preset)
         return replace(w, backlog_ms=w.backlog_ms * self.rate, ttft_ms=w.ttft_ms * self.rate)
 
-    def node_env(self) -> dict[str, str]:
+    def node_env(self, preset: str = DEFAULT_WEIGHTS) -> dict[str, str]:
         """COORD_* variables that put the nodes' time-based knobs on engine time."""
-        weights = ",".join(f"{k}={v!r}" for k, v in self.weights.as_dict().items())
+        weights = ",".join(f"{k}={v!r}" for k, v in self.weights(preset).as_dict().items())
         return {
             "COORD_SCRAPE_INTERVAL_S": repr(self.scrape_interval_s),
             "COORD_HINT_TTL_MS": str(self.hint_ttl_ms),
@@ -165,8 +198,8 @@ class LiveConfig:
             "COORD_PREFIX_GUARD_MS": str(round(Settings().prefix_guard_ms / self.rate)),
         }
 
-    def engine_args(self) -> list[str]:
-        """Mock engine flags: the prefix cache, cut in the nodes' blocks."""
+    def prefix_engine_args(self) -> list[str]:
+        """Mock engine flags of every engine: the prefix cache, cut in the nodes' blocks."""
         return [
             "--prefix-cache-tokens",
             str(self.prefix_cache_tokens),
@@ -180,7 +213,7 @@ class LiveConfig:
             return "least_load_affinity"  # the node default: affinity on
         return strategy
 
-    def sim_config(self) -> SimConfig:
+    def sim_config(self, preset: str = DEFAULT_WEIGHTS) -> SimConfig:
         """The simulated fleet that matches this live one, in engine time."""
         return SimConfig(
             instances=self.instances,
@@ -190,7 +223,30 @@ class LiveConfig:
             expected_output="true",  # the nodes reserve max_tokens = the true output
             seed=self.seed,
             prefix_cache_tokens=self.prefix_cache_tokens,
+            weights=Weights.preset(preset),
+            speeds=self.speeds,
+            registered_timing=self.registered_timing,
+            learn=True,  # the nodes always learn; registered exact timing stays close
         )
+
+
+def split_variant(name: str) -> tuple[str, str]:
+    """`least_load:seed` -> (least_load, seed); a bare strategy uses the default weights."""
+    strategy, _, preset = name.partition(":")
+    return strategy, preset or DEFAULT_WEIGHTS
+
+
+def variant_list(text: str) -> list[str]:
+    """--strategies: strategies, each optionally with a weights preset (`least_load:seed`)."""
+    names = list(STRATEGIES) if text == "all" else [p.strip() for p in text.split(",") if p]
+    for name in names:
+        strategy, preset = split_variant(name)
+        if strategy not in STRATEGIES or preset not in WEIGHT_PRESETS:
+            raise argparse.ArgumentTypeError(
+                f"bad strategy {name!r}: use one of {', '.join(STRATEGIES)}, optionally "
+                f"with :preset from {', '.join(sorted(WEIGHT_PRESETS))}"
+            )
+    return names
 
 
 @dataclass(slots=True)
@@ -206,6 +262,7 @@ class Outcome:
     status: int = 0
     instance: str = ""
     error: str = ""
+    predicted_ms: float = math.nan  # X-Predicted-TTFT-Ms (real ms), when present
 
     @property
     def ok(self) -> bool:
@@ -233,6 +290,11 @@ class LiveResult:
     output_tokens_per_s: float  # real-time streamed-token rate across the fleet
     errors: tuple[str, ...] = ()  # a few distinct failure reasons
     prefix_hit_rate: float = math.nan  # engines' vllm:prefix_cache_hits / queries
+    wait_p99_ms: float = math.nan  # engine ms: TTFT minus the request's own prefill
+    predicted_share: float = math.nan  # after warm-up: requests with X-Predicted-TTFT-Ms
+    prediction_error_p50: float = math.nan  # after warm-up: |observed - predicted| / observed
+    prediction_error_p90: float = math.nan
+    learned: dict[str, dict[str, Any]] = field(default_factory=dict)  # per instance, at the end
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view."""
@@ -253,6 +315,11 @@ class LiveResult:
             "output_tokens_per_s": self.output_tokens_per_s,
             "errors": list(self.errors),
             "prefix_hit_rate": self.prefix_hit_rate,
+            "wait_p99_ms": self.wait_p99_ms,
+            "predicted_share": self.predicted_share,
+            "prediction_error_p50": self.prediction_error_p50,
+            "prediction_error_p90": self.prediction_error_p90,
+            "learned": self.learned,
         }
 
 
@@ -360,12 +427,15 @@ def load_slice(
     offset: int,
     limit: int,
     utilization: float | None,
-    instances: int,
+    instances: float,
     timing: EngineTiming | None = None,
     seed: int = 0,
+    caps: tuple[int | None, int | None] = (None, None),
 ) -> list[TraceRequest]:
     """Requests offset..offset+limit of a trace (None: the synthetic workload from
-    `seed`), re-based to 0, scaled like the sim does."""
+    `seed`), re-based to 0, prompts and outputs cut to `caps`, scaled like the sim does.
+
+    `instances` is the fleet's capacity in base-speed engines (LiveConfig.capacity)."""
     source = path or "the synthetic workload"
     if offset < 0 or limit < 1:
         raise TraceError(f"{source}: need offset >= 0 and limit >= 1")
@@ -373,7 +443,17 @@ def load_slice(
     if not rows:
         raise TraceError(f"{source}: no requests after offset {offset}")
     first = rows[0].arrival_ms
-    rows = [replace(r, index=i, arrival_ms=r.arrival_ms - first) for i, r in enumerate(rows)]
+    prompt_cap, output_cap = caps
+    rows = [
+        replace(
+            r,
+            index=i,
+            arrival_ms=r.arrival_ms - first,
+            prompt_tokens=min(r.prompt_tokens, prompt_cap or r.prompt_tokens),
+            output_tokens=min(r.output_tokens, output_cap or r.output_tokens),
+        )
+        for i, r in enumerate(rows)
+    ]
     if utilization is not None:
         rows = scale_to_utilization(rows, timing or EngineTiming(), instances, utilization)
     return rows
@@ -451,6 +531,8 @@ async def _send(
         async with session.post(url, data=body, headers=headers) as resp:
             out.status = resp.status
             out.instance = resp.headers.get("X-Instance-Id", "")
+            with contextlib.suppress(ValueError):
+                out.predicted_ms = float(resp.headers.get("X-Predicted-TTFT-Ms", ""))
             if resp.status != 200:
                 detail = (await resp.content.read(200)).decode("utf-8", "replace")
                 out.error = f"HTTP {resp.status}: {detail}".strip()
@@ -547,11 +629,32 @@ async def _report(
 
 
 def summarize(
-    strategy: str, requests: Sequence[TraceRequest], outcomes: Sequence[Outcome], speed: float
+    strategy: str,
+    requests: Sequence[TraceRequest],
+    outcomes: Sequence[Outcome],
+    speed: float,
+    relative_speeds: dict[str, float] | None = None,
 ) -> LiveResult:
-    """Percentiles in engine ms, per-instance counts, client lateness and token rate."""
+    """Percentiles in engine ms, per-instance counts, client lateness, token rate, the
+    queueing wait (`relative_speeds`: instance id -> speed relative to `speed`) and the
+    accuracy of X-Predicted-TTFT-Ms after PREDICTION_WARMUP requests."""
     to_engine_ms = 1000.0 * speed
     ok = [o for o in outcomes if o.ok]
+    timing = EngineTiming()
+    rel = relative_speeds or {}
+    waits = sorted(
+        max(
+            0.0,
+            (o.first_s - o.due_s) * to_engine_ms
+            - timing.prefill_ms(requests[o.index].prompt_tokens) / rel.get(o.instance, 1.0),
+        )
+        for o in ok
+    )
+    warm = [o for o in ok if o.index >= PREDICTION_WARMUP] or ok
+    predicted = [o for o in warm if not math.isnan(o.predicted_ms)]
+    errors_rel = sorted(
+        relative_error((o.first_s - o.sent_s) * 1000.0, o.predicted_ms) for o in predicted
+    )
     # From the scheduled arrival, not the actual send: a client that falls behind must
     # not make the fleet look faster (coordinated omission); lateness is shown apart.
     ttft = sorted((o.first_s - o.due_s) * to_engine_ms for o in ok)
@@ -580,7 +683,25 @@ def summarize(
         replay_s=replay_s,
         output_tokens_per_s=tokens / replay_s if replay_s and replay_s > 0 else math.nan,
         errors=tuple(errors),
+        wait_p99_ms=percentile(waits, 99),
+        predicted_share=len(predicted) / len(warm) if warm else math.nan,
+        prediction_error_p50=percentile(errors_rel, 50),
+        prediction_error_p90=percentile(errors_rel, 90),
     )
+
+
+def learned_timing(view: Any) -> dict[str, dict[str, Any]]:
+    """Per instance, the timing a node predicted with and where it came from."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in view.get("instances", []) if isinstance(view, dict) else []:
+        timing = row.get("timing") or {}
+        out[str(row.get("id"))] = {
+            "prefill_ms_per_token": timing.get("prefill_ms_per_token"),
+            "decode_ms_per_token": timing.get("decode_ms_per_token"),
+            "prefill": timing.get("prefill"),
+            "prefill_samples": timing.get("prefill_samples"),
+        }
+    return out
 
 
 def _natural(text: str) -> tuple[str, int]:
@@ -620,10 +741,18 @@ def run_strategy(
     config: LiveConfig,
     progress: Progress | None = None,
 ) -> LiveResult:
-    """Start a fresh cluster with `strategy`, replay the requests, stop it, summarize."""
-    from local_fleet.cluster import LocalCluster, free_port_block  # only the live bench needs them
+    """Start a fresh cluster with `strategy` (`name[:weights preset]`), replay the
+    requests, read what the nodes learned, stop it, summarize."""
+    from local_fleet.cluster import (  # only the live bench needs them
+        LocalCluster,
+        free_port_block,
+        http_json,
+    )
 
-    pool = f"live-{strategy.replace('_', '-')}-{os.getpid()}-{random.getrandbits(24):06x}"
+    name, preset = split_variant(strategy)
+    tag = strategy.replace("_", "-").replace(":", "-")
+    pool = f"live-{tag}-{os.getpid()}-{random.getrandbits(24):06x}"
+    learned: dict[str, dict[str, Any]] = {}
     cluster: LocalCluster | None = None
     try:
         for attempt in range(1, START_ATTEMPTS + 1):
@@ -635,9 +764,10 @@ def run_strategy(
                 redis_url=config.redis_url,
                 speed=config.rate,
                 pool=pool,
-                strategy=strategy,
-                node_env=config.node_env(),
-                engine_args=config.engine_args(),
+                strategy=name,
+                node_env=config.node_env(preset),
+                engine_args=config.prefix_engine_args(),
+                per_engine_args=config.engine_args(),
             )
             if progress is not None:
                 progress(
@@ -664,13 +794,23 @@ def run_strategy(
             )
         )
         hit_rate = asyncio.run(prefix_hit_rate(cluster.engine_urls))
+        learned = learned_timing(http_json(cluster.control_urls[0] + "/debug/instance_loads"))
     finally:
         if cluster is not None:
             cluster.stop()
         if config.redis_url is not None:
             with contextlib.suppress(Exception):  # clean-up only: the run's result stands
                 delete_pool(config.redis_url, pool)
-    result = replace(summarize(strategy, requests, outcomes, config.rate), prefix_hit_rate=hit_rate)
+    relative = {f"engine-{j}": config.relative_speed(j) for j in range(config.instances)}
+    result = replace(
+        summarize(strategy, requests, outcomes, config.rate, relative),
+        learned=learned,
+        prefix_hit_rate=hit_rate,
+    )
+    for iid, row in learned.items():
+        row["true_prefill_ms_per_token"] = EngineTiming().prefill_ms_per_token / (
+            config.rate * relative.get(iid, 1.0)
+        )
     if progress is not None:
         progress(
             f"live: {strategy}: {result.completed}/{result.requests} completed, "
@@ -695,7 +835,14 @@ def run_live(
     started = time.monotonic()
     timing = EngineTiming()  # what LocalCluster's mock engines and the sim both run
     requests = load_slice(
-        trace, offset, limit, utilization, config.instances, timing, seed=config.seed
+        trace,
+        offset,
+        limit,
+        utilization,
+        config.capacity,
+        timing,
+        seed=config.seed,
+        caps=(config.max_prompt_tokens, config.max_output_tokens),
     )
     if config.speed is None:
         config = replace(config, speed=auto_speed(requests))
@@ -703,11 +850,15 @@ def run_live(
             progress(f"live: --speed auto chose {config.rate:g}")
     sim_config = config.sim_config()
     offered = (
-        offered_load(requests, sim_config.timing, config.instances)
+        offered_load(requests, sim_config.timing, config.capacity)
         if len(requests) > 1
         else math.nan
     )
-    sims = compare(requests, [config.sim_strategy(s) for s in strategies], sim_config)
+    sims = []
+    for variant in strategies:
+        name, preset = split_variant(variant)
+        sim = compare(requests, [config.sim_strategy(name)], config.sim_config(preset))[0]
+        sims.append(replace(sim, strategy=variant))
     if progress is not None:
         progress(
             "sim: " + ", ".join(f"{s.strategy} TTFT p50 {_ms(s.ttft_p50_ms)} ms" for s in sims)
@@ -773,6 +924,42 @@ def live_table(run: LiveRun) -> str:
     return "\n".join(lines)
 
 
+def prediction_table(run: LiveRun) -> str:
+    """Queueing wait and the accuracy of X-Predicted-TTFT-Ms, per strategy."""
+    lines = [
+        "| strategy | wait p99 ms | TTFT p90 ms | X-Predicted-TTFT-Ms present "
+        f"(after {PREDICTION_WARMUP}) | relative error p50 | relative error p90 |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for cmp in run.comparisons:
+        r = cmp.live
+        lines.append(
+            f"| {r.strategy} | {_ms(r.wait_p99_ms)} | {_ms(r.ttft_p90_ms)} "
+            f"| {r.predicted_share:.1%} | {r.prediction_error_p50:.2f} "
+            f"| {r.prediction_error_p90:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def learned_table(run: LiveRun) -> str:
+    """What the nodes predicted each engine's prefill with at the end of each run."""
+    lines = [
+        "| strategy | instance | source | samples | prefill ms/token (real) | true | error |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for cmp in run.comparisons:
+        for iid, row in cmp.live.learned.items():
+            value, true = row.get("prefill_ms_per_token"), row.get("true_prefill_ms_per_token")
+            if not isinstance(value, int | float) or not isinstance(true, int | float):
+                continue
+            lines.append(
+                f"| {cmp.live.strategy} | {iid} | {row.get('prefill')} "
+                f"| {row.get('prefill_samples')} | {value:.3f} | {true:.3f} "
+                f"| {abs(value - true) / true:.0%} |"
+            )
+    return "\n".join(lines)
+
+
 def comparison_table(run: LiveRun) -> str:
     """Sim next to live, TTFT p50 with their ratio, and p99 / e2e for context."""
     lines = [
@@ -798,6 +985,15 @@ def markdown(run: LiveRun, command: Sequence[str] | None = None) -> str:
         "Live (engine ms = real ms x speed, measured at the client):",
         "",
         live_table(run),
+        "",
+        "Queueing wait (TTFT minus the request's own prefill, engine ms) and prediction "
+        "accuracy (|observed - predicted| / observed, real ms at the client):",
+        "",
+        prediction_table(run),
+        "",
+        "Learned timing at the end of each run (node 0's /debug/instance_loads):",
+        "",
+        learned_table(run),
         "",
         "Simulated vs live, same slice and fleet:",
         "",
@@ -848,9 +1044,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--strategies",
-        type=strategy_list(STRATEGIES),
+        type=variant_list,
         default=list(STRATEGIES),
-        help=f"comma list from {', '.join(STRATEGIES)} (or 'all')",
+        help=f"comma list from {', '.join(STRATEGIES)} (or 'all'); a weights preset may "
+        f"follow a strategy, e.g. least_load:seed (presets: {', '.join(sorted(WEIGHT_PRESETS))};"
+        f" default {DEFAULT_WEIGHTS})",
+    )
+    add_heterogeneity_arguments(parser)
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="cut longer prompts to this many tokens (the sim gets the same slice)",
+    )
+    parser.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=None,
+        help="cut longer outputs to this many tokens (max_tokens stays the true output)",
     )
     parser.add_argument(
         "--redis-url",
@@ -899,6 +1110,14 @@ def command(args: argparse.Namespace, speed: float | None = None) -> list[str]:
         cmd += ["--strategies", ",".join(args.strategies)]
     if args.seed != d.seed:
         cmd += ["--seed", str(args.seed)]
+    if args.speeds:
+        cmd += ["--speeds", ",".join(f"{v:g}" for v in args.speeds)]
+    if args.registered_timing != "exact":
+        cmd += ["--registered-timing", args.registered_timing]
+    if args.max_prompt_tokens is not None:
+        cmd += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
+    if args.max_output_tokens is not None:
+        cmd += ["--max-output-tokens", str(args.max_output_tokens)]
     return cmd
 
 
@@ -917,6 +1136,10 @@ def run(args: argparse.Namespace) -> int:
             redis_url=args.redis_url,
             seed=args.seed,
             request_timeout_s=args.request_timeout_s,
+            speeds=args.speeds,
+            registered_timing=args.registered_timing,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_output_tokens=args.max_output_tokens,
         )
         result = run_live(
             args.trace,

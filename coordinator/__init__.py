@@ -13,7 +13,7 @@ from coordinator.errors import (
     ScriptArgumentError,
     UnknownInstanceError,
 )
-from coordinator.models import InstanceLoad, InstanceSpec, Reservation
+from coordinator.models import InstanceLoad, InstanceSpec, RequestShape, Reservation
 from coordinator.settings import Settings, Weights
 from coordinator.snapshot import Snapshot
 from coordinator.strategies import Ranking, Score
@@ -30,6 +30,7 @@ __all__ = [
     "PoolFullError",
     "Ranking",
     "RegisterResult",
+    "RequestShape",
     "Reservation",
     "Score",
     "ScriptArgumentError",

@@ -59,6 +59,14 @@ from coordinator.settings import STRATEGIES, Settings
 from coordinator.snapshot import PoolCache, Snapshot
 from coordinator.strategies import Ranking, RoundRobin, eligible, rank
 from coordinator.tasks import raise_if_cancelling
+from coordinator.timing import (
+    DEFAULT_OUTPUT_TOKENS,
+    Observations,
+    TimingPolicy,
+    expected_output,
+    pack,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +84,7 @@ MAX_TOKENS = 10_000_000
 NOSCRIPT_RETRIES = 3  # extra loads when scripts are flushed again mid-call
 SPEC_READ_STEP = 500  # instances per read_specs call: bounded work per script
 SWEEP_STEP = 500  # void records one sweep call may delete (about 3 us each)
+TIMING_MAX_AGE_MS = 86_400_000  # a pool's learned timing expires after a day unmerged
 REAP_STEP = 50  # reservations one reap_node call may release (about 40 us each at 10k instances)
 
 
@@ -149,7 +158,8 @@ class Coordinator:
         # them per call was a measurable share of the decision cost.
         self._columns = [key.encode() for key in self.keys.columns]
         self._node_rids = self.keys.node_rids(node_id).encode()
-        self._cache = PoolCache()
+        self._cache = self._new_cache()
+        self.observations = Observations()  # timing samples not yet merged into Redis
         # Nodes start their rotation at different places (stable per node id), so
         # simultaneous first picks of an idle pool rarely collide.
         self._rr = RoundRobin(zlib.crc32(node_id.encode()))
@@ -212,9 +222,19 @@ class Coordinator:
         return coordinator
 
     def start_background(self) -> None:
-        """Start the lease renewal and reaper loop."""
+        """Start the lease renewal and reaper loop, and the learned-timing merge loop."""
         if not self._tasks:
             self._tasks.append(asyncio.create_task(self._lease_loop(), name="coordinator-lease"))
+            self._tasks.append(asyncio.create_task(self._timing_loop(), name="coordinator-timing"))
+
+    def _new_cache(self) -> PoolCache:
+        s = self.settings
+        policy = TimingPolicy(
+            min_samples=s.timing_min_samples,
+            pinned=s.timing_pinned,
+            half_life_ms=s.timing_half_life_ms,
+        )
+        return PoolCache(timing_policy=policy)
 
     async def close(self) -> None:
         """Stop background tasks and close the Redis client (reservations stay until released)."""
@@ -758,6 +778,8 @@ class Coordinator:
                 rid, iid, epoch, phase, prompt, expected, prefill_ms, decode_ms, in_redis=True
             )
         timed = row is not None and row.spec.has_timing
+        # The reply's view already counts this reservation.
+        alone = row is not None and row.pending_prefill == 1 and row.epoch == epoch
         return Reservation(
             rid,
             iid,
@@ -771,6 +793,8 @@ class Coordinator:
             False,
             ranking.scores.get(iid),
             request.cached_on(iid),
+            alone,
+            row.inflight if row is not None else 0,
         )
 
     def _reserve_local(
@@ -992,7 +1016,7 @@ class Coordinator:
     async def _reassert_all(self) -> None:
         direct = self._direct_call
         # The specs this node last saw, before a snapshot of an emptied Redis drops them.
-        known = {iid: (row.spec, row.epoch) for iid, row in self._cache.rows.items()}
+        known = {iid: (e.spec, e.epoch) for iid, e in self._cache.entries.items()}
         pool = getattr(self.redis, "connection_pool", None)
         if pool is not None:  # connections from before a restart are dead: drop them all
             await pool.disconnect()
@@ -1004,7 +1028,8 @@ class Coordinator:
                 await direct("register", [spec.id, spec.to_json(), spec.max_slots, spec.epoch])
         # Read the pool into a new view and switch at once: degraded selection keeps
         # using the old rows until then (the reads in between may take many steps).
-        fresh = PoolCache()
+        fresh = self._new_cache()
+        fresh.apply_learned(self._cache.learned)
         fresh.apply_view(*(await direct("read_state", [1])))
         if fresh.specs_behind:
             await self._read_specs(direct, fresh)
@@ -1148,6 +1173,88 @@ class Coordinator:
             values.append("" if value is None else repr(float(value)))
         reply = await self._call("store_hints", [instance_id, *values])
         return int(reply[1])
+
+    # ------------------------------------------------------------------ learned timing
+
+    def observe(
+        self,
+        res: Reservation,
+        *,
+        ttft_ms: float | None = None,
+        output_tokens: int | None = None,
+        decode_ms: float | None = None,
+        model: str | None = None,
+    ) -> None:
+        """Keep what one finished exchange showed, for the next merge (no Redis call).
+
+        `ttft_ms` teaches prefill only when the request found no other prefill pending
+        (`res.prefill_alone`): otherwise it includes a wait of unknown length.
+        `decode_ms` is the time from the first token to the last.
+        """
+        row = self._cache.rows.get(res.instance_id)
+        if row is None or row.epoch != res.epoch or res.degraded:
+            row = None  # another epoch's speed, or no shared view: teaches no timing
+        timing = row.timing if row is not None else None
+        if row is not None and ttft_ms is not None and res.prefill_alone:
+            learned = timing is not None and timing.prefill == "learned"
+            self.observations.prefill(
+                res.instance_id,
+                res.epoch,
+                res.prompt_tokens - res.cached_tokens,
+                ttft_ms,
+                float(res.prefill_ms) if learned else None,
+            )
+        if row is not None and decode_ms is not None and output_tokens and output_tokens >= 2:
+            learned = timing is not None and timing.decode == "learned"
+            self.observations.decode(
+                res.instance_id,
+                res.epoch,
+                max(1, res.batch),
+                decode_ms / (output_tokens - 1),
+                row.spec.decode_ms_per_token if learned else None,
+            )
+        if output_tokens and output_tokens > 0:
+            self.observations.output("", output_tokens)  # pool-wide, for unnamed models
+            if model:
+                self.observations.output(model, output_tokens)
+
+    def expected_output_tokens(self, model: str | None, max_tokens: int | None = None) -> int:
+        """The pool's learned mean output of a model, bounded by the request's max_tokens."""
+        learned = expected_output(self._cache.learned, model or "")
+        if learned is None and model:
+            learned = expected_output(self._cache.learned, "")
+        value = DEFAULT_OUTPUT_TOKENS if learned is None else max(1, round(learned))
+        return min(value, max_tokens) if max_tokens is not None else value
+
+    async def sync_timing(self) -> None:
+        """Merge this node's samples into the pool's and take the pool's (one script call)."""
+        batches = self.observations.drain()
+        args: list[Any] = [
+            self.settings.timing_half_life_ms,
+            repr(self._cache.timing_policy.floor_weight),
+            TIMING_MAX_AGE_MS,
+        ]
+        for name, batch in batches.items():
+            args += [name, pack(batch)]
+        reply = await self._call("merge_timing", args, (self.keys.timing(),))
+        flat = list(reply[1])
+        records: dict[str, list[float]] = {}
+        for k in range(0, len(flat), 2):
+            record = unpack(flat[k + 1])
+            if record is not None:
+                records[as_text(flat[k])] = record
+        self._cache.apply_learned(records)
+
+    async def _timing_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.timing_flush_ms / 1000)
+            try:
+                await self.sync_timing()
+            except CoordinationUnavailableError:
+                pass  # samples are soft state: the next ones will do
+            except Exception:
+                raise_if_cancelling()
+                log.exception("merging learned timing failed")
 
     async def _direct_call(
         self, name: str, args: list[Any], extra: tuple[str | bytes, ...] = ()

@@ -84,6 +84,10 @@ class PoolKeys:
         """Lex zset "<id>#<epoch>|<stamp>|<hash>": each instance's prefix blocks, LRU order."""
         return f"{self.stem}:prefix_lru"
 
+    def timing(self) -> str:
+        """Hash of learned timing and output length (coordinator/timing.py records)."""
+        return f"{self.stem}:timing"
+
     def pattern(self) -> str:
         """A SCAN/ACL pattern matching every key of the pool."""
         return f"{self.stem}:*"

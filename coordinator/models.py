@@ -6,10 +6,13 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coordinator.errors import InvalidArgumentError
 from coordinator.keys import ID_RE
+
+if TYPE_CHECKING:
+    from coordinator.timing import TimingSource
 
 ROLES = ("mixed", "prefill", "decode")
 HINT_NAMES = ("engine_running", "engine_waiting", "queue_depth")
@@ -210,6 +213,8 @@ class InstanceRow:
     prefill_free_at_ms: int
     earliest_end_at_ms: int | None
     hints: dict[str, Hint] = field(default_factory=dict)
+    # Set when `spec` carries resolved timing (configured, learned, pool or default).
+    timing: TimingSource | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +240,7 @@ class InstanceLoad:
     queue_depth: float | None
     hint_ages_ms: dict[str, int]
     spec: InstanceSpec
+    timing: TimingSource | None = None  # where spec's timing came from, when resolved
 
     def predicted_ttft_ms(self, prompt_tokens: int) -> int | None:
         """Backlog plus this request's own prefill estimate; None without a timing model."""
@@ -242,11 +248,21 @@ class InstanceLoad:
             return None
         return self.predicted_total_backlog_ms + self.spec.prefill_ms(prompt_tokens)
 
+    def _timing_view(self) -> dict[str, Any]:
+        assert self.timing is not None
+        return {
+            "prefill_ms_per_token": self.spec.prefill_ms_per_token,
+            "prefill_overhead_ms": self.spec.prefill_overhead_ms,
+            "decode_ms_per_token": self.spec.decode_ms_per_token,
+            **self.timing.as_dict(),
+        }
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view (numbers and names only; no payloads)."""
         data = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "spec"}
         data["model"] = self.spec.model
         data["has_timing_model"] = self.spec.has_timing
+        data["timing"] = None if self.timing is None else self._timing_view()
         return data
 
 
@@ -266,3 +282,7 @@ class Reservation:
     degraded: bool = False
     score: Any = None  # the strategy's Score for the chosen instance (explainability)
     cached_tokens: int = 0  # prompt tokens expected in the chosen instance's prefix cache
+    # No other prefill was pending on the instance when it was reserved: the request's
+    # TTFT is its own prefill (a learning sample), not a wait behind others.
+    prefill_alone: bool = False
+    batch: int = 0  # the instance's live reservations, this one included, when reserved

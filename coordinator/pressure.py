@@ -58,4 +58,5 @@ def instance_load(
         queue_depth=fresh["queue_depth"],
         hint_ages_ms=ages,
         spec=spec,
+        timing=row.timing,
     )

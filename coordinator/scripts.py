@@ -23,6 +23,7 @@ SCRIPT_NAMES = (
     "read_outliers",
     "store_hints",
     "record_prefix",
+    "merge_timing",
 )
 
 

@@ -17,7 +17,7 @@ FULL_POLICIES = ("reject", "queue")
 
 @dataclass(frozen=True, slots=True)
 class Weights:
-    """least_load weights; the defaults are the seed's (DESIGN.md §3)."""
+    """least_load weights; the field defaults are the seed's (DESIGN.md §3): preset `seed`."""
 
     inflight: float = 1.0  # lifecycle layer
     engine_running: float = 1.0  # instantaneous layer
@@ -26,7 +26,7 @@ class Weights:
     pending_prefill: float = 1.0  # predicted layer
     active_decode: float = 0.5
     backlog_ms: float = 0.001
-    ttft_ms: float = 0.05  # request-aware: backlog + own uncached prefill (needs the request)
+    ttft_ms: float = 0.0  # request-aware: backlog + own uncached prefill (needs the request)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -37,11 +37,24 @@ class Weights:
                 raise InvalidArgumentError(f"weight {f.name} must be finite and >= 0, got {value}")
 
     @classmethod
+    def preset(cls, name: str) -> Weights:
+        """Named weights (WEIGHT_PRESETS)."""
+        if name not in WEIGHT_PRESETS:
+            raise InvalidArgumentError(
+                f"unknown weights preset {name!r}; choose from {sorted(WEIGHT_PRESETS)}"
+            )
+        return WEIGHT_PRESETS[name]
+
+    @classmethod
     def parse(cls, text: str) -> Weights:
-        """Parse `name=value,name=value`; unnamed weights keep their defaults."""
+        """Parse `[preset,]name=value,...`; unnamed weights keep the preset's (default: seed)."""
         values: dict[str, float] = {}
         known = {f.name for f in fields(cls)}
-        for item in filter(None, (part.strip() for part in text.split(","))):
+        items = [part.strip() for part in text.split(",") if part.strip()]
+        base = cls()
+        if items and "=" not in items[0]:
+            base = cls.preset(items.pop(0))
+        for item in items:
             name, sep, raw = item.partition("=")
             if not sep or name.strip() not in known:
                 raise InvalidArgumentError(
@@ -51,11 +64,23 @@ class Weights:
                 values[name.strip()] = float(raw)
             except ValueError:
                 raise InvalidArgumentError(f"weight {name} is not a number: {raw!r}") from None
-        return cls(**values)
+        return replace(base, **values)
 
     def as_dict(self) -> dict[str, float]:
         """The weights as a plain dict (for debug output)."""
         return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
+# Named weights. `seed`: the seed's formula exactly (DESIGN.md §3). `ttft`: the same
+# layers, with the predicted wait counted as this request's predicted TTFT on each
+# candidate (backlog + own uncached prefill, ms) at 0.2 per ms: 5 ms of predicted TTFT
+# weigh one request, so a prefill of seconds ahead outweighs any queue of short ones
+# (docs/benchmarks.md measures both).
+WEIGHT_PRESETS: dict[str, Weights] = {
+    "seed": Weights(),
+    "ttft": Weights(backlog_ms=0.0, ttft_ms=0.2),
+}
+DEFAULT_WEIGHTS = "ttft"  # what Settings (and so `coordinator serve`) uses by default
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +106,7 @@ class Settings:
     snapshot_max_age_ms: int = 1_000  # 0 = read the pool state before every decision
     live_refresh_ms: int = 2_000  # liveness and hints are re-read this often (<= ttl/4)
     strategy: str = "least_load"  # default selection strategy
-    weights: Weights = field(default_factory=Weights)
+    weights: Weights = field(default_factory=lambda: Weights.preset(DEFAULT_WEIGHTS))
     # Prefix-cache affinity (coordinator/prefix.py, docs/security.md).
     prefix_affinity: bool = True  # look up and record prompt prefix blocks
     prefix_salt: str = ""  # deployment secret mixed into block hashes; set it in production
@@ -90,6 +115,11 @@ class Settings:
     prefix_cache_tokens: int = 400_000  # index capacity of an instance whose spec has none
     prefix_max_owners: int = 8  # instances remembered per block (most recent)
     prefix_guard_ms: int = 10_000  # cache credit fades over this much extra backlog; 0 = off
+    # Learned timing (coordinator/timing.py; README "Prediction sources").
+    timing_flush_ms: int = 2_000  # how often a node merges its samples and reads the pool's
+    timing_min_samples: int = 8  # learned timing replaces configured from this many samples
+    timing_half_life_ms: int = 10_000  # learned statistics lose half their weight this often
+    timing_pinned: bool = False  # configured timing always wins over learned
 
     def __post_init__(self) -> None:
         if not self.key_prefix or not POOL_NAME_RE.fullmatch(self.key_prefix):
@@ -103,6 +133,9 @@ class Settings:
             "redis_timeout_ms",
             "recovery_interval_ms",
             "live_refresh_ms",
+            "timing_flush_ms",
+            "timing_min_samples",
+            "timing_half_life_ms",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

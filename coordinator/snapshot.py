@@ -19,6 +19,7 @@ from coordinator.packed import (
     unpack_live,
     unpack_state,
 )
+from coordinator.timing import TimingPolicy, TimingSource, resolve_pool
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,14 @@ class PoolCache:
     rows_applied: int = 0  # rows rebuilt since start (for benchmarks)
     dirty: set[str] = field(default_factory=set)  # ids changed since the ranker last synced
     membership: int = 0  # bumps whenever an id is added or removed
+    # Learned timing (coordinator/timing.py): records by field as last merged, and each
+    # row's resolved timing, keyed by what it was resolved from.
+    timing_policy: TimingPolicy = field(default_factory=TimingPolicy)
+    learned: dict[str, list[float]] = field(default_factory=dict)
+    pool_timing: InstanceSpec | None = None
+    _resolved: dict[str, tuple[InstanceSpec, int, InstanceSpec, TimingSource]] = field(
+        default_factory=dict
+    )
     _stale: bool = False
     _specs: dict[str, InstanceSpec] = field(default_factory=dict)  # parsed, by JSON text
 
@@ -102,6 +111,7 @@ class PoolCache:
         self.rows.clear()
         self.entries.clear()
         self.slot_ids.clear()
+        self._resolved.clear()
         self.state = self.live = b""
         self.state_ver = -1
         self.ahead.clear()
@@ -226,6 +236,7 @@ class PoolCache:
                 self._drop(iid)
 
     def _drop(self, iid: str) -> None:
+        self._resolved.pop(iid, None)
         entry = self.entries.pop(iid, None)
         if entry is not None and self.slot_ids.get(entry.slot) == iid:
             del self.slot_ids[entry.slot]
@@ -255,9 +266,10 @@ class PoolCache:
         live = unpack_live(self.live, entry.slot)
         self.rows_applied += 1
         self.dirty.add(iid)
+        spec, timing = self._timing_of(iid, entry)
         self.rows[iid] = InstanceRow(
             id=iid,
-            spec=entry.spec,
+            spec=spec,
             epoch=entry.epoch,
             last_seen_ms=live.last_seen_ms,
             max_slots=entry.max_slots,
@@ -267,7 +279,30 @@ class PoolCache:
             prefill_free_at_ms=state.prefill_free_at_ms,
             earliest_end_at_ms=state.earliest_end_at_ms or None,
             hints=live.hints,
+            timing=timing,
         )
+
+    def _timing_of(self, iid: str, entry: SpecEntry) -> tuple[InstanceSpec, TimingSource]:
+        """The spec with resolved timing; resolved again only when its inputs changed."""
+        known = self._resolved.get(iid)
+        if known is not None and known[0] is entry.spec and known[1] == entry.epoch:
+            return known[2], known[3]
+        spec, source = self.timing_policy.resolve(
+            entry.spec, entry.epoch, self.learned.get(iid), self.pool_timing
+        )
+        self._resolved[iid] = (entry.spec, entry.epoch, spec, source)
+        return spec, source
+
+    def apply_learned(self, records: dict[str, list[float]]) -> None:
+        """Take the pool's merged timing records; rebuild the rows whose timing changed."""
+        self.learned = records
+        entries = {iid: (e.spec, e.epoch) for iid, e in self.entries.items()}
+        self.pool_timing, resolved = resolve_pool(self.timing_policy, entries, records)
+        before = {iid: known[2:] for iid, known in self._resolved.items()}
+        for iid, entry in self.entries.items():
+            self._resolved[iid] = (entry.spec, entry.epoch, *resolved[iid])
+            if iid in self.rows and resolved[iid] != before.get(iid):
+                self._build(iid)
 
     def take(self, other: PoolCache) -> None:
         """Become `other` (a view read aside), as one change of membership."""

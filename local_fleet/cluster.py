@@ -179,6 +179,7 @@ class LocalCluster:
     token: str | None = None
     strategy: str = "least_load"
     engine_args: list[str] = field(default_factory=list)
+    per_engine_args: list[list[str]] = field(default_factory=list)  # engine j: [j % len]
     node_env: dict[str, str] = field(default_factory=dict)  # e.g. COORD_* knobs for nodes
     quiet: bool = True
     redis: EmbeddedRedis | None = None
@@ -300,6 +301,11 @@ class LocalCluster:
                         f"engine-{j}",
                         *auth,
                         *self.engine_args,
+                        *(
+                            self.per_engine_args[j % len(self.per_engine_args)]
+                            if self.per_engine_args
+                            else []
+                        ),
                     ],
                     f"http://127.0.0.1:{self.engine_port(j)}/health",
                 )

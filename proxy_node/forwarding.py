@@ -108,6 +108,8 @@ class Exchange:
         self.expected_output_tokens = 0
         self.prefix_hashes: list[str] = []
         self.cached_tokens: dict[str, int] | None = None  # looked up once per request
+        self.model: str | None = None
+        self.sent_at = 0.0  # loop time the request went to the engine
         self.response: web.StreamResponse | None = None
         self._mark_handle: asyncio.TimerHandle | None = None
         self.reserved_at = self.started  # loop time the current attempt got its reservation
@@ -205,13 +207,17 @@ class Exchange:
             parsed = parse_completion(
                 self.body,
                 request.headers.get("X-Prompt-Tokens"),
-                self.state.expected_output_tokens(),
+                self.coordinator.expected_output_tokens(None),
                 self.coordinator.prefix.hashes,
             )
         except RequestRejectedError as exc:
             return self._error(exc.status, exc.message, exc.code)
         self.prompt_tokens = parsed.prompt_tokens
-        self.expected_output_tokens = parsed.expected_output_tokens
+        self.model = parsed.model
+        # The pool's learned output length of this model, bounded by the client's cap.
+        self.expected_output_tokens = self.coordinator.expected_output_tokens(
+            parsed.model, parsed.output_cap
+        )
         self.stream = parsed.stream
         self.prefix_hashes = parsed.prefix_hashes
         return None
@@ -325,6 +331,7 @@ class Exchange:
         )
         name = res.instance_id
         upstream: aiohttp.ClientResponse | None = None
+        self.sent_at = self.loop.time()
         try:
             try:
                 async with asyncio.timeout(cfg.first_byte_timeout_s):
@@ -406,6 +413,7 @@ class Exchange:
         self.response = response
         counter = OutputCounter(self.stream) if ok else None
         chunk, marked = first, not ok
+        first_at = self.loop.time()
         idle_s = self.config.idle_timeout_s
         while chunk:
             try:
@@ -415,7 +423,8 @@ class Exchange:
                 return response
             if not marked:
                 marked = True
-                self.metrics.ttft.observe(self.loop.time() - self.started)
+                first_at = self.loop.time()
+                self.metrics.ttft.observe(first_at - self.started)
                 if self.stream:
                     if res.predicted_ttft_ms is not None:
                         observed_ms = (self.loop.time() - self.reserved_at) * 1000
@@ -462,11 +471,22 @@ class Exchange:
                 problem,
             )
         self._report(res, problem is None, problem or "")
-        if counter is not None:
-            tokens = counter.tokens()
-            if tokens is not None:
-                self.state.observe_output(tokens)
+        if counter is not None and problem is None:
+            self._learn(res, counter.tokens(), first_at)
         return response
+
+    def _learn(self, res: Reservation, tokens: int | None, first_at: float) -> None:
+        """Hand a completed exchange's timing to the pool's learned estimates."""
+        if not self.stream:  # one chunk carries the whole answer: only its length teaches
+            self.coordinator.observe(res, output_tokens=tokens, model=self.model)
+            return
+        self.coordinator.observe(
+            res,
+            ttft_ms=(first_at - self.sent_at) * 1000,
+            output_tokens=tokens,
+            decode_ms=(self.loop.time() - first_at) * 1000,
+            model=self.model,
+        )
 
 
 def _cause(exc: BaseException) -> str:

@@ -175,6 +175,7 @@ async def read_pool(coordinator: Coordinator, settings: Settings) -> PoolState:
         # snapshot() hides an unreachable Redis behind degraded mode: ask it directly
         # first so the error names the cause, then check the state snapshot() left.
         await coordinator.redis.ping()
+        await coordinator.sync_timing()  # the learned timing every node predicts with
         snapshot = await coordinator.snapshot()
         if coordinator.coordination != "ok":
             raise InspectError(f"cannot read pool {coordinator.pool!r}: Redis did not answer")
@@ -307,6 +308,7 @@ def render(state: PoolState, redis_url: str, width: int | None = None) -> Group:
     return Group(
         header,
         _instance_table(instances, width),
+        _timing_table(instances),
         _node_table(state.nodes, now_ms),
         _phase_line(state.phases),
     )
@@ -375,6 +377,35 @@ def _tokens(value: int | None) -> str:
     if value >= 1000:
         return f"{value / 1000:.1f}k"
     return str(value)
+
+
+def _timing_table(instances: list[dict[str, Any]]) -> Table:
+    """The timing each instance is predicted with, and where it came from."""
+    table = Table(
+        title="prediction timing", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False
+    )
+    for name, justify in (
+        ("instance", "left"),
+        ("prefill from", "left"),
+        ("ms/token", "right"),
+        ("overhead ms", "right"),
+        ("decode from", "left"),
+        ("ms/token ", "right"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for row in sorted(instances, key=_rank_order):
+        t = row.get("timing")
+        if not t:
+            continue
+        table.add_row(
+            str(row["id"]),
+            f"{t['prefill']} ({t['prefill_samples']})",
+            _num(t["prefill_ms_per_token"], 3),
+            _num(t["prefill_overhead_ms"], 1),
+            f"{t['decode']} ({t['decode_samples']})",
+            _num(t["decode_ms_per_token"], 2),
+        )
+    return table
 
 
 def _rank_order(row: dict[str, Any]) -> tuple[bool, int, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.coordinator import MAX_TOKENS
@@ -47,6 +47,8 @@ class CompletionRequest:
     expected_output_tokens: int
     stream: bool
     prefix_hashes: list[str]  # salted prefix block hashes (coordinator/prefix.py)
+    model: str | None = field(default=None, compare=False)  # the body's model, when a string
+    output_cap: int | None = field(default=None, compare=False)  # max_tokens, when given
 
 
 def parse_completion(
@@ -59,7 +61,7 @@ def parse_completion(
 
     The prompt size comes from `X-Prompt-Tokens` when the client sends it (it may know
     the exact count), else from the shared chars/4 rule. The expected output is the
-    client's cap, else the node's running average (`default_output_tokens`).
+    client's cap, else `default_output_tokens` (the pool's learned output length).
     `prefix_hashes` turns the body into its prefix block hashes (none by default).
     """
     try:
@@ -83,4 +85,12 @@ def parse_completion(
         _check_output_cap(name, body.get(name))
     cap = max_output_tokens_of(body)
     expected = min(cap if cap is not None else default_output_tokens, MAX_TOKENS)
-    return CompletionRequest(prompt, expected, body.get("stream") is True, prefix_hashes(body))
+    model = body.get("model")
+    return CompletionRequest(
+        prompt,
+        expected,
+        body.get("stream") is True,
+        prefix_hashes(body),
+        model if isinstance(model, str) else None,
+        cap,
+    )

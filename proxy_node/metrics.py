@@ -13,6 +13,7 @@ from coordinator import Coordinator
 from coordinator.outliers import OutlierView
 from coordinator.snapshot import Snapshot
 from coordinator.strategies import Score
+from coordinator.timing import relative_error
 
 DECISION_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -179,7 +180,7 @@ class NodeMetrics:
         )
         self.ttft_prediction_error = Histogram(
             "proxy_ttft_prediction_relative_error",
-            "Relative error of the predicted TTFT: |observed - predicted| / observed",
+            "Relative error of the predicted TTFT: |observed - predicted| / max(observed, 1 ms)",
             ["instance"],
             buckets=PREDICTION_ERROR_BUCKETS,
             registry=r,
@@ -232,8 +233,9 @@ class NodeMetrics:
         """Record how far one reservation's predicted TTFT was from the observed one."""
         if observed_ms <= 0:
             return  # no relative error of an instant answer
-        error = abs(observed_ms - predicted_ms) / observed_ms
-        self.ttft_prediction_error.labels(instance).observe(error)
+        self.ttft_prediction_error.labels(instance).observe(
+            relative_error(observed_ms, predicted_ms)
+        )
 
     def bind(self, coordinator: Coordinator) -> None:
         """Read coordination state and stats from this coordinator at scrape time."""

@@ -16,9 +16,7 @@ from proxy_node.config import NodeConfig
 from proxy_node.health import PassiveHealth
 from proxy_node.metrics import NodeMetrics
 
-INITIAL_OUTPUT_TOKENS = 256.0  # expected output before anything was observed
 DRAIN_TIMEOUT_S = 5.0  # at shutdown, how long pending releases may still take
-OUTPUT_EMA_ALPHA = 0.05  # weight of one observation: follows drift, ignores outliers
 
 CONFIG = web.AppKey("config", NodeConfig)
 COORDINATOR = web.AppKey("coordinator", Coordinator)
@@ -31,27 +29,17 @@ SERVICE_APP = web.AppKey("service_app", web.Application)
 
 @dataclass
 class NodeState:
-    """Per-node memory: the output-length average, the models cache, helper tasks, drain."""
+    """Per-node memory: the models cache, helper tasks and the drain flag.
 
-    expected_output: float = INITIAL_OUTPUT_TOKENS
-    observed_outputs: int = 0
+    The expected output length is the pool's, learned fleet-wide by the Coordinator.
+    """
+
     models: list[dict[str, Any]] = field(default_factory=list)
     models_at: float = -1e9  # loop time of the last models refresh
     models_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # One reserve at a time per node (see forwarding.Exchange._decide).
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     draining: bool = False  # set on SIGTERM: /healthz answers 503 so balancers stop sending
-
-    def expected_output_tokens(self) -> int:
-        """The running average of observed output lengths, as a whole token count."""
-        return max(1, round(self.expected_output))
-
-    def observe_output(self, tokens: int) -> None:
-        """Fold one observed output length into the running average."""
-        if tokens <= 0:
-            return
-        self.observed_outputs += 1
-        self.expected_output += OUTPUT_EMA_ALPHA * (tokens - self.expected_output)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run a fire-and-forget coroutine, keeping a reference until it ends."""

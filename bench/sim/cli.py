@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
 
 from bench.sim.report import json_ready, markdown, run_trace
-from bench.sim.simulator import ALL_STRATEGIES, EXPECTED_OUTPUT_MODES, STRATEGIES, SimConfig
+from bench.sim.simulator import (
+    ALL_STRATEGIES,
+    EXPECTED_OUTPUT_MODES,
+    REGISTERED_TIMING,
+    STRATEGIES,
+    SimConfig,
+)
 from bench.sim.synthetic import DEFAULT_REQUESTS
 from bench.sim.traces import TraceError
 from coordinator.errors import InvalidArgumentError
-from coordinator.settings import Settings, Weights
+from coordinator.settings import DEFAULT_WEIGHTS, Settings, Weights
 
 
 def strategy_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
@@ -115,10 +122,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--weights",
         type=_weights,
         default=None,
-        help="least_load weights as name=value,...; unnamed ones keep the seed's defaults",
+        help="least_load weights: [preset,]name=value,... (presets: seed, ttft); unnamed "
+        f"ones keep the preset's, the seed's when none is named; default: {DEFAULT_WEIGHTS}, "
+        "as `coordinator serve`",
+    )
+    add_heterogeneity_arguments(parser)
+    parser.add_argument(
+        "--learn",
+        action="store_true",
+        help="nodes learn each instance's timing from traffic (coordinator/timing.py)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def speed_list(text: str) -> tuple[float, ...]:
+    """`0.5,1,2` -> true speeds per instance (cycled)."""
+    try:
+        speeds = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"speeds must be numbers, got {text!r}") from None
+    if not speeds or any(not (v > 0 and math.isfinite(v)) for v in speeds):
+        raise argparse.ArgumentTypeError(f"speeds must be finite and > 0, got {text!r}")
+    return speeds
+
+
+def add_heterogeneity_arguments(parser: argparse.ArgumentParser) -> None:
+    """--speeds and --registered-timing, the same for `bench sim` and `bench live`."""
+    parser.add_argument(
+        "--speeds",
+        type=speed_list,
+        default=(),
+        help="true engine speeds, cycled over the instances, e.g. 0.5,1,2 (default: all 1); "
+        "utilization is measured against the fleet's summed speed",
+    )
+    parser.add_argument(
+        "--registered-timing",
+        choices=REGISTERED_TIMING,
+        default="exact",
+        help="what instances register: exact = their true timing, none = nothing "
+        "(learned from traffic), shared = the 1x engine's timing for every speed",
+    )
 
 
 def command(args: argparse.Namespace) -> list[str]:
@@ -146,11 +190,18 @@ def command(args: argparse.Namespace) -> list[str]:
         cmd += ["--max-slots", str(args.max_slots)]
     if args.prefix_cache_tokens:
         cmd += ["--prefix-cache-tokens", str(args.prefix_cache_tokens)]
-    defaults = Weights().as_dict()
-    weights = args.weights or Weights()
-    changed = {k: v for k, v in weights.as_dict().items() if v != defaults[k]}
-    if changed:
-        cmd += ["--weights", ",".join(f"{k}={v:g}" for k, v in changed.items())]
+    if args.speeds:
+        cmd += ["--speeds", ",".join(f"{v:g}" for v in args.speeds)]
+    if args.registered_timing != "exact":
+        cmd += ["--registered-timing", args.registered_timing]
+    if args.learn:
+        cmd += ["--learn"]
+    weights = args.weights or Weights.preset(DEFAULT_WEIGHTS)
+    if weights != Weights.preset(DEFAULT_WEIGHTS):
+        # Spelled against the seed, which is what --weights without a preset starts from.
+        seed = Weights().as_dict()
+        changed = {k: v for k, v in weights.as_dict().items() if v != seed[k]}
+        cmd += ["--weights", ",".join(f"{k}={v:g}" for k, v in changed.items()) or "seed"]
     return cmd
 
 
@@ -165,8 +216,11 @@ def run(args: argparse.Namespace) -> int:
             expected_output=args.expected_output,
             max_slots=args.max_slots,
             seed=args.seed,
-            weights=args.weights or Weights(),
+            weights=args.weights or Weights.preset(DEFAULT_WEIGHTS),
             prefix_cache_tokens=args.prefix_cache_tokens,
+            speeds=args.speeds,
+            registered_timing=args.registered_timing,
+            learn=args.learn,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

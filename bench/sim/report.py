@@ -81,9 +81,9 @@ def run_trace(
     config = config or SimConfig()
     requests = load_requests(trace, limit, config.seed)
     if utilization is not None:
-        requests = scale_to_utilization(requests, config.timing, config.instances, utilization)
+        requests = scale_to_utilization(requests, config.timing, config.capacity, utilization)
     offered = (
-        offered_load(requests, config.timing, config.instances) if len(requests) > 1 else math.nan
+        offered_load(requests, config.timing, config.capacity) if len(requests) > 1 else math.nan
     )
     results = compare(requests, strategies, config, progress)
     span = requests[-1].arrival_ms - requests[0].arrival_ms

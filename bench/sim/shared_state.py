@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.models import HINT_NAMES, Hint, InstanceRow, InstanceSpec
+from coordinator.timing import TimingSource
 
 
 @dataclass(slots=True)
@@ -49,6 +50,7 @@ class _Instance:
     hints: dict[str, Hint] = field(default_factory=dict)
     ends: dict[str, int] = field(default_factory=dict)  # rid -> end_at_ms (by_instance)
     row: InstanceRow | None = None  # cached; dropped on every change
+    timing: TimingSource | None = None  # set with a resolved spec (PoolCache does the same)
 
 
 class SharedState:
@@ -74,6 +76,12 @@ class SharedState:
             inst.last_seen_ms = now_ms
         self._touch(inst)
         return inst.epoch
+
+    def set_timing(self, instance_id: str, spec: InstanceSpec, source: TimingSource) -> None:
+        """Give an instance's row resolved timing, as a node's PoolCache does."""
+        inst = self._instances[instance_id]
+        inst.spec, inst.timing = spec, source
+        self._touch(inst)
 
     def heartbeat(
         self, instance_id: str, now_ms: int, hints: dict[str, float] | None = None
@@ -208,6 +216,7 @@ class SharedState:
                 prefill_free_at_ms=inst.prefill_free_at_ms,
                 earliest_end_at_ms=min(inst.ends.values()) if inst.ends else None,
                 hints=dict(inst.hints),
+                timing=inst.timing,
             )
         return inst.row
 

@@ -48,7 +48,7 @@ import random
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench.sim.prefix_policies import (
@@ -65,6 +65,13 @@ from coordinator.prefix import guarded_cached_tokens
 from coordinator.pressure import instance_load
 from coordinator.settings import Settings, Weights
 from coordinator.strategies import Ranking, RoundRobin, least_load, power_of_two, round_robin
+from coordinator.timing import (
+    Observations,
+    TimingPolicy,
+    TimingSource,
+    merge_record,
+    resolve_pool,
+)
 from local_fleet.engine_model import EngineModel, EngineTiming, PrefixCache
 from local_fleet.stats import percentile
 
@@ -81,6 +88,9 @@ PREFIX_STRATEGIES = ("least_load_affinity", "consistent_hash", "sglang_cache_awa
 ALL_STRATEGIES = STRATEGIES + PREFIX_STRATEGIES
 SHARED = frozenset({"least_load_instantaneous", "least_load", "power_of_two", *PREFIX_STRATEGIES})
 EXPECTED_OUTPUT_MODES = ("avg", "true")
+# What instances register: their exact timing, none (learned from traffic), or one
+# shared timing (the base engine's) whatever their true speed.
+REGISTERED_TIMING = ("exact", "none", "shared")
 LIVENESS_TTL_MS = 2**40  # the sim does not model liveness: every instance stays alive
 
 # Same-time events: engines first (their tokens happened), then scrapes, then arrivals.
@@ -109,8 +119,16 @@ class SimConfig:
     sglang: SglangThresholds = field(default_factory=SglangThresholds)
     dynamo_overlap_weight: float = 1.0  # Dynamo's kv-overlap-score-weight
     prefix_guard_ms: int = Settings().prefix_guard_ms  # the hot-spot guard (coordinator/prefix.py)
+    speeds: tuple[float, ...] = ()  # true speed per instance, cycled (empty: all 1.0)
+    registered_timing: str = "exact"  # exact | none | shared (REGISTERED_TIMING)
+    learn: bool = False  # nodes learn timing from traffic (coordinator/timing.py)
+    timing_flush_ms: int = Settings().timing_flush_ms  # how often a node merges samples
 
     def __post_init__(self) -> None:
+        if any(not (v > 0 and math.isfinite(v)) for v in self.speeds):
+            raise ValueError("speeds must be finite and > 0")
+        if self.registered_timing not in REGISTERED_TIMING:
+            raise ValueError(f"registered_timing must be one of {REGISTERED_TIMING}")
         if self.instances < 1 or self.nodes < 1:
             raise ValueError("instances and nodes must be >= 1")
         if not self.hint_interval_ms > 0:
@@ -129,17 +147,36 @@ class SimConfig:
         """The max_slots every instance registers (0 = unlimited)."""
         return self.timing.max_batch if self.max_slots < 0 else self.max_slots
 
-    def spec(self, instance_id: str) -> InstanceSpec:
-        """What each simulated engine registers with the coordinator."""
-        t = self.timing
-        return InstanceSpec(
+    def speed(self, k: int) -> float:
+        """The true speed of instance k."""
+        return self.speeds[k % len(self.speeds)] if self.speeds else 1.0
+
+    def engine_timing(self, k: int) -> EngineTiming:
+        """The true timing of instance k."""
+        speed = self.speed(k)
+        return self.timing if speed == 1.0 else self.timing.scaled(speed)
+
+    @property
+    def capacity(self) -> float:
+        """The fleet's capacity in base-speed instances (what utilization divides by)."""
+        return sum(self.speed(k) for k in range(self.instances))
+
+    def spec(self, instance_id: str, k: int = 0) -> InstanceSpec:
+        """What simulated engine k registers with the coordinator."""
+        base = InstanceSpec(
             id=instance_id,
             url=f"http://127.0.0.1/{instance_id}",
             max_slots=self.registered_max_slots,
+            prefix_cache_tokens=self.prefix_cache_tokens,
+        )
+        if self.registered_timing == "none":
+            return base
+        t = self.timing if self.registered_timing == "shared" else self.engine_timing(k)
+        return replace(
+            base,
             prefill_ms_per_token=t.prefill_ms_per_token,
             prefill_overhead_ms=t.prefill_overhead_ms,
             decode_ms_per_token=t.nominal_decode_ms_per_token(),
-            prefix_cache_tokens=self.prefix_cache_tokens,
         )
 
 
@@ -160,6 +197,7 @@ class StrategyResult:
     assigned: tuple[int, ...]  # requests per instance
     ttft_ms: tuple[float, ...] = field(repr=False)  # per request, for CDFs
     prefix_hit_rate: float = math.nan  # cached / queried prompt tokens (engine caches)
+    wait_p99_ms: float = math.nan  # queueing wait (TTFT - own prefill), p99
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary (without per-request samples)."""
@@ -173,6 +211,7 @@ class StrategyResult:
             "e2e_p50_ms": self.e2e_p50_ms,
             "e2e_p99_ms": self.e2e_p99_ms,
             "queue_wait_mean_ms": self.queue_wait_mean_ms,
+            "wait_p99_ms": self.wait_p99_ms,
             "imbalance": self.imbalance,
             "assigned": list(self.assigned),
             "prefix_hit_rate": self.prefix_hit_rate,
@@ -227,6 +266,8 @@ class _Node:
     seen_outputs: int = 0
     seen_count: int = 0
     local: list[int] = field(default_factory=list)  # this node's inflight per instance
+    observations: Observations = field(default_factory=Observations)
+    flushed_ms: float = 0.0
 
 
 class Simulation:
@@ -248,8 +289,10 @@ class Simulation:
         c = self.config
         self.ids = [f"i{k:03d}" for k in range(c.instances)]
         self.index = {iid: k for k, iid in enumerate(self.ids)}
-        self.specs = [c.spec(iid) for iid in self.ids]
-        self.engines = [EngineModel(c.timing, self._prefix_cache()) for _ in self.ids]
+        self.configured = [c.spec(iid, k) for k, iid in enumerate(self.ids)]
+        self.engines = [
+            EngineModel(c.engine_timing(k), self._prefix_cache()) for k in range(c.instances)
+        ]
         self.prefix_index = SharedPrefixIndex(c.prefix_cache_tokens // c.block_tokens)
         self.ring = HashRing(self.ids)
         # What a Dynamo-style router tracks: prompt tokens still to prefill (uncached,
@@ -258,8 +301,18 @@ class Simulation:
         self.active_tokens = [0] * c.instances
         self.uncached_of: dict[int, int] = {}
         self.state = SharedState()
-        for s in self.specs:
+        for s in self.configured:
             self.state.register(s, 0)
+        # What predicts: the configured specs resolved with learned records (timing.py).
+        self.policy = TimingPolicy()
+        self._sources: list[TimingSource] = []
+        self.records: dict[str, list[float]] = {}
+        self.specs = self._resolve()
+        for k, spec in enumerate(self.specs):
+            self.state.set_timing(spec.id, spec, self._sources[k])
+        self.learning = c.learn and strategy in SHARED
+        self.alone = [False] * len(requests)  # reserved with no other prefill pending
+        self.batch_of = [1] * len(requests)
         self.nodes = [
             _Node(
                 # Each node's rotation starts where the real Coordinator's does.
@@ -342,12 +395,16 @@ class Simulation:
             r = int(ev.rid)
             if kind == "first_token":
                 self.first_token[r] = at
+                if self.learning and self.alone[r]:
+                    self._observe_prefill(r, k, at)
                 self.unprefilled[k].popleft()
                 self.queued_prefill[k] -= self.uncached_of.get(r, 0)
                 if self.strategy in SHARED:
                     self.state.mark_first_token(ev.rid, now)
             else:  # done
                 self.finished[r] = at
+                if self.learning:
+                    self._observe_decode(r, k, at)
                 self._outstanding -= 1
                 node = self.nodes[self.node_of[r]]
                 node.seen_outputs += self.requests[r].output_tokens
@@ -381,6 +438,8 @@ class Simulation:
         n = r % self.config.nodes
         node = self.nodes[n]
         now = int(req.arrival_ms)
+        if self.learning and now - node.flushed_ms >= self.config.timing_flush_ms:
+            self._flush(node, now)
         expected = self._expected_output(node, req)
         prefix_aware = self.strategy in PREFIX_STRATEGIES
         cached: dict[str, int] = {}
@@ -403,6 +462,8 @@ class Simulation:
             self.prefix_index.record(self.ids[k], blocks, held.get(self.ids[k], 0))
         if self.strategy in SHARED:
             spec = self.specs[k]
+            self.alone[r] = self.state.row(self.ids[k]).pending_prefill == 0
+            self.batch_of[r] = self.state.row(self.ids[k]).inflight + 1
             self.state.reserve(
                 str(r),
                 f"n{n}",
@@ -531,6 +592,54 @@ class Simulation:
         tied = [k for ttft, held, k in best if (ttft, held) == low[:2]]
         return tied[self.central_rr.take() % len(tied)]
 
+    # ------------------------------------------------------------------ learning
+
+    def _resolve(self) -> list[InstanceSpec]:
+        entries = {s.id: (s, 1) for s in self.configured}
+        _, resolved = resolve_pool(self.policy, entries, self.records)
+        self._sources = [resolved[s.id][1] for s in self.configured]
+        return [resolved[s.id][0] for s in self.configured]
+
+    def _observe_prefill(self, r: int, k: int, at: float) -> None:
+        """As Coordinator.observe: a wait-free TTFT, screened once learned."""
+        req = self.requests[r]
+        source = self.state.row(self.ids[k]).timing
+        learned = source is not None and source.prefill == "learned"
+        predicted = float(self.specs[k].prefill_ms(req.prompt_tokens)) if learned else None
+        node = self.nodes[self.node_of[r]]
+        node.observations.prefill(self.ids[k], 1, req.prompt_tokens, at - req.arrival_ms, predicted)
+
+    def _observe_decode(self, r: int, k: int, at: float) -> None:
+        req = self.requests[r]
+        if req.output_tokens < 2:
+            return
+        source = self.state.row(self.ids[k]).timing
+        learned = source is not None and source.decode == "learned"
+        node = self.nodes[self.node_of[r]]
+        node.observations.decode(
+            self.ids[k],
+            1,
+            self.batch_of[r],
+            (at - self.first_token[r]) / (req.output_tokens - 1),
+            self.specs[k].decode_ms_per_token if learned else None,
+        )
+
+    def _flush(self, node: _Node, now: int) -> None:
+        """merge_timing.lua for one node; every node reads the result at once."""
+        node.flushed_ms = now
+        p = self.policy
+        for name, batch in node.observations.drain().items():
+            merged = merge_record(
+                self.records.get(name), batch, now, p.half_life_ms, p.floor_weight
+            )
+            if merged is not None:
+                self.records[name] = merged
+        old = list(zip(self.specs, self._sources, strict=True))
+        self.specs = self._resolve()
+        for k, spec in enumerate(self.specs):
+            if (spec, self._sources[k]) != old[k]:
+                self.state.set_timing(spec.id, spec, self._sources[k])
+
     # ------------------------------------------------------------------ summary
 
     def _summary(self) -> StrategyResult:
@@ -543,15 +652,16 @@ class Simulation:
         for req in self.requests:
             r = req.index
             k = self.instance_of[r]
+            own = self.config.engine_timing(k) if k >= 0 else timing
             if k >= 0:
                 assigned[k] += 1
-                work[k] += service_ms(timing, req.prompt_tokens, req.output_tokens)
+                work[k] += service_ms(own, req.prompt_tokens, req.output_tokens)
             if math.isnan(self.finished[r]):
                 continue
             ttft = self.first_token[r] - req.arrival_ms
             ttfts.append(ttft)
             e2es.append(self.finished[r] - req.arrival_ms)
-            waits.append(max(0.0, ttft - timing.prefill_ms(req.prompt_tokens)))
+            waits.append(max(0.0, ttft - own.prefill_ms(req.prompt_tokens)))
         samples = tuple(ttfts)
         ttfts.sort()
         e2es.sort()
@@ -573,6 +683,7 @@ class Simulation:
             assigned=tuple(assigned),
             ttft_ms=samples,
             prefix_hit_rate=hit_rate,
+            wait_p99_ms=percentile(sorted(waits), 99),
         )
 
 

@@ -182,11 +182,11 @@ def service_ms(timing: EngineTiming, prompt_tokens: int, output_tokens: int) -> 
     return timing.prefill_ms(prompt_tokens) + max(0, output_tokens - 1) * share
 
 
-def offered_load(requests: Iterable[TraceRequest], timing: EngineTiming, instances: int) -> float:
+def offered_load(requests: Iterable[TraceRequest], timing: EngineTiming, instances: float) -> float:
     """Offered load as a fraction of the fleet's nominal capacity."""
     reqs = list(requests)
-    if instances < 1:
-        raise ValueError("instances must be >= 1")
+    if not instances > 0:
+        raise ValueError("instances (capacity in base-speed instances) must be > 0")
     if len(reqs) < 2:
         raise TraceError("a utilization needs at least 2 requests")
     span = reqs[-1].arrival_ms - reqs[0].arrival_ms
@@ -198,7 +198,7 @@ def offered_load(requests: Iterable[TraceRequest], timing: EngineTiming, instanc
 
 
 def scale_to_utilization(
-    requests: list[TraceRequest], timing: EngineTiming, instances: int, target: float
+    requests: list[TraceRequest], timing: EngineTiming, instances: float, target: float
 ) -> list[TraceRequest]:
     """Rescale inter-arrival times so the offered load equals `target`."""
     if not (target > 0 and math.isfinite(target)):

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from coordinator.models import InstanceSpec
@@ -21,6 +21,7 @@ FAULT_HEADER = "X-Mock-Fault"  # forces one fault on one request (tests)
 OUTPUT_TOKENS_HEADER = "X-Mock-Output-Tokens"  # forces the output length (trace replay)
 
 _T = EngineTiming()  # the shared model's documented defaults
+REGISTER_TIMING = ("exact", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,8 @@ class MockEngineConfig:
     decode_base_ms: float = _T.decode_base_ms  # one decode step at batch size 1
     decode_ms_per_seq: float = _T.decode_ms_per_seq  # extra step time per running sequence
     speed: float = 1.0  # every duration is divided by this
+    register_timing: str = "exact"  # exact: register its timing; none: the fleet learns it
+    register_speed: float | None = None  # register the timing of this speed (None: own)
     register: str | None = None  # control plane URL to self-register with
     instance_id: str | None = None  # registered id; None = mock-<port>
     token: str | None = None  # bearer token for control-plane writes
@@ -58,6 +61,12 @@ class MockEngineConfig:
         if not (math.isfinite(self.speed) and self.speed > 0):
             raise ValueError(f"speed must be a finite number > 0, got {self.speed}")
         self.timing()  # EngineTiming validates the timing constants
+        if self.register_timing not in REGISTER_TIMING:
+            raise ValueError(f"register_timing must be one of {REGISTER_TIMING}")
+        if self.register_speed is not None and not (
+            math.isfinite(self.register_speed) and self.register_speed > 0
+        ):
+            raise ValueError(f"register_speed must be > 0, got {self.register_speed}")
         rates = (self.error_rate, self.hang_rate, self.crash_rate)
         if not all(0.0 <= r <= 1.0 for r in rates) or sum(rates) > 1.0:
             raise ValueError("error/hang/crash rates must be in [0, 1] and sum to at most 1")
@@ -71,15 +80,15 @@ class MockEngineConfig:
         if self.register_backoff_s <= 0 or self.register_backoff_max_s < self.register_backoff_s:
             raise ValueError("need 0 < register_backoff_s <= register_backoff_max_s")
 
-    def timing(self) -> EngineTiming:
-        """The engine timing with every duration divided by `speed`."""
+    def timing(self, speed: float | None = None) -> EngineTiming:
+        """The engine timing with every duration divided by `speed` (default: the config's)."""
         return EngineTiming(
             self.prefill_ms_per_token,
             self.prefill_overhead_ms,
             self.decode_base_ms,
             self.decode_ms_per_seq,
             self.max_batch,
-        ).scaled(self.speed)
+        ).scaled(self.speed if speed is None else speed)
 
     @property
     def url(self) -> str:
@@ -94,20 +103,25 @@ class MockEngineConfig:
         return f"http://{host}:{self.port}"
 
     def instance_spec(self, epoch: int) -> InstanceSpec:
-        """What this engine registers: its scaled timing model and its start epoch."""
-        timing = self.timing()
-        return InstanceSpec(
+        """What this engine registers: its timing model (see register_timing) and epoch."""
+        spec = InstanceSpec(
             id=self.instance_id or f"mock-{self.port}",
             url=self.url,
             role="mixed",
             max_slots=self.max_batch,
             weight=1.0,
-            prefill_ms_per_token=timing.prefill_ms_per_token,
-            prefill_overhead_ms=timing.prefill_overhead_ms,
-            decode_ms_per_token=timing.nominal_decode_ms_per_token(),
             epoch=epoch,
             model=self.model,
             prefix_cache_tokens=self.prefix_cache_tokens,
+        )
+        if self.register_timing == "none":
+            return spec
+        timing = self.timing(self.register_speed)
+        return replace(
+            spec,
+            prefill_ms_per_token=timing.prefill_ms_per_token,
+            prefill_overhead_ms=timing.prefill_overhead_ms,
+            decode_ms_per_token=timing.nominal_decode_ms_per_token(),
         )
 
 
@@ -130,6 +144,18 @@ _FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
     ),
     ("--decode-ms-per-seq", "decode_ms_per_seq", float, "extra decode step time per sequence"),
     ("--speed", "speed", float, "divide every duration by this (replay faster than real time)"),
+    (
+        "--register-timing",
+        "register_timing",
+        str,
+        "timing to register: exact (its own) or none (the fleet learns it)",
+    ),
+    (
+        "--register-speed",
+        "register_speed",
+        float,
+        "register the timing of this speed instead of its own (a wrong shared spec)",
+    ),
     ("--register", "register", str, "control-plane URL to self-register with and heartbeat"),
     ("--instance-id", "instance_id", str, "registered instance id; unset means mock-<port>"),
     ("--token", "token", str, "bearer token for control-plane writes"),

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import signal
 import socket
 import sys
@@ -49,6 +50,7 @@ from proxy_node.engine_registration import Registrar, RegistrationDeniedError
 from proxy_node.entry import standalone_main
 
 CONFIG_KEY = web.AppKey("mock_engine_config", MockEngineConfig)
+SPEED_KEY = web.AppKey("mock_engine_speed", list)  # [the current speed]
 ENGINE_KEY = web.AppKey("mock_engine", MockEngine)
 METRICS_KEY = web.AppKey("mock_engine_metrics", EngineMetrics)
 FAULTS_KEY = web.AppKey("mock_engine_faults", FaultPicker)
@@ -333,6 +335,36 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [model]})
 
 
+async def control_speed(request: web.Request) -> web.Response:
+    """GET/POST /control/speed: read or change the engine's speed while it runs.
+
+    POST {"speed": S} divides the configured durations by S from the next engine
+    iteration on (the one in progress keeps its end); for drift tests and demos.
+    """
+    config, engine = request.app[CONFIG_KEY], request.app[ENGINE_KEY]
+    if request.method == "POST":
+        try:
+            speed = (await request.json())["speed"]
+        except (ValueError, KeyError, TypeError):
+            return _bad_request('expected a JSON body {"speed": <number > 0>}')
+        if isinstance(speed, bool) or not isinstance(speed, int | float):
+            return _bad_request("speed must be a number")
+        if not (math.isfinite(speed) and speed > 0):
+            return _bad_request(f"speed must be finite and > 0, got {speed}")
+        engine.model.timing = config.timing(float(speed))
+        request.app[SPEED_KEY][0] = float(speed)
+    timing = engine.model.timing
+    return web.json_response(
+        {
+            "speed": request.app[SPEED_KEY][0],
+            "prefill_ms_per_token": timing.prefill_ms_per_token,
+            "prefill_overhead_ms": timing.prefill_overhead_ms,
+            "decode_base_ms": timing.decode_base_ms,
+            "decode_ms_per_seq": timing.decode_ms_per_seq,
+        }
+    )
+
+
 async def health(request: web.Request) -> web.Response:
     """GET /health."""
     return web.json_response({"status": "ok"})
@@ -399,6 +431,9 @@ def create_app(config: MockEngineConfig) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app[SPEED_KEY] = [config.speed]
+    app.router.add_get("/control/speed", control_speed)
+    app.router.add_post("/control/speed", control_speed)
     app.cleanup_ctx.append(_engine_tasks)
     if config.register is not None:
 

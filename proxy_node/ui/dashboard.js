@@ -103,6 +103,7 @@
     const total = cell("total num");
     const inflight = cell("inflight num");
     const cached = cell("cached num");
+    const timing = cell("timing");
     const track = cell("track");
     const bar = document.createElement("div");
     bar.className = "bar";
@@ -121,7 +122,7 @@
     spark.className = "spark";
     spark.dataset.instance = id;
     sparkCell.append(spark);
-    return { row, state, total, inflight, cached, bar, segs, spark };
+    return { row, state, total, inflight, cached, timing, bar, segs, spark };
   }
 
   function fmt(value, digits) {
@@ -183,6 +184,8 @@
         (prefix.index_tokens === null || prefix.index_tokens === undefined
           ? ""
           : `; the prefix index holds ${prefix.index_tokens} tokens for it`);
+      r.timing.textContent = timingText(inst.timing);
+      r.timing.title = timingTitle(inst.timing);
       r.bar.dataset.total = total === null ? "" : String(total);
       r.bar.dataset.inflight = String(inst.inflight ?? "");
       r.bar.title = tooltip(inst, score);
@@ -216,6 +219,23 @@
     if (!inst.alive) return "stale";
     if (isEjected(inst)) return `ejected ${Math.ceil(inst.outlier.ejected_for_ms / 1000)}s`;
     return "alive";
+  }
+
+  // Where the predicting timing comes from: configured, learned (with samples), the
+  // pool's learned average, or the documented default.
+  function timingText(t) {
+    if (!t) return "–";
+    const n = t.prefill === "learned" ? ` ${t.prefill_samples}` : "";
+    return `${t.prefill}${n}`;
+  }
+
+  function timingTitle(t) {
+    if (!t) return "no timing";
+    return [
+      `prefill: ${fmt(t.prefill_ms_per_token, 3)} ms/token + ${fmt(t.prefill_overhead_ms, 1)} ms` +
+        ` (${t.prefill}, ${t.prefill_samples} samples)`,
+      `decode: ${fmt(t.decode_ms_per_token, 2)} ms/token (${t.decode}, ${t.decode_samples} samples)`,
+    ].join("\n");
   }
 
   function tooltip(inst, score) {

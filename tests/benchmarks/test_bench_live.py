@@ -85,9 +85,11 @@ def test_auto_speed_stays_in_bounds() -> None:
 
 def test_live_config_puts_node_knobs_on_engine_time() -> None:
     config = LiveConfig(speed=4.0)
-    env = config.node_env()
+    env = config.node_env("seed")
     assert float(env["COORD_SCRAPE_INTERVAL_S"]) == pytest.approx(0.25)
     assert "backlog_ms=0.004" in env["COORD_WEIGHTS"]
+    # The default preset's ms-valued weight is put on engine time the same way.
+    assert "ttft_ms=0.8" in config.node_env()["COORD_WEIGHTS"]
     sim = config.sim_config()
     assert sim.hint_interval_ms == pytest.approx(1000.0)
     assert sim.expected_output == "true"
@@ -199,3 +201,22 @@ def test_live_run_completes_every_request(
         assert list(client.scan_iter(match="lc:{live-*")) == []
     finally:
         client.close()
+
+
+def test_summarize_reports_wait_and_prediction_accuracy() -> None:
+    """Wait = TTFT - own prefill on the engine's true speed; errors against the client's TTFT."""
+    from bench.live import PREDICTION_WARMUP
+    from local_fleet.engine_model import EngineTiming
+
+    reqs = [TraceRequest(i, 0.0, 1000, 4) for i in range(PREDICTION_WARMUP + 2)]
+    outcomes = []
+    for i in range(len(reqs)):
+        out = Outcome(i, 0, due_s=1.0, sent_s=1.0, first_s=1.2, end_s=1.5, status=200)
+        out.instance = "slow" if i % 2 else "fast"
+        out.predicted_ms = 150.0 if i < len(reqs) - 1 else math.nan
+        outcomes.append(out)
+    result = summarize("least_load", reqs, outcomes, 1.0, {"slow": 0.5, "fast": 2.0})
+    prefill = EngineTiming().prefill_ms(1000)
+    assert result.wait_p99_ms == pytest.approx(200.0 - prefill / 2.0)
+    assert result.predicted_share == pytest.approx(0.5)  # 1 of the 2 after the warm-up
+    assert result.prediction_error_p50 == pytest.approx(0.25)  # |200 - 150| / 200

@@ -761,3 +761,39 @@ async def test_module_entry_point_registers_and_stops_on_sigterm(
             proc.kill()
             await proc.wait()
         await plane.stop()
+
+
+async def test_speed_control_changes_the_engine_while_it_runs(
+    start_engine: StartEngine, http: aiohttp.ClientSession
+) -> None:
+    running = await start_engine(speed=2.0)
+    async with http.get(running.url + "/control/speed") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["speed"] == 2.0
+    async with http.post(running.url + "/control/speed", json={"speed": 0.5}) as resp:
+        doc = await resp.json()
+    base = EngineTiming()
+    assert doc["speed"] == 0.5
+    assert doc["prefill_ms_per_token"] == pytest.approx(base.prefill_ms_per_token / 0.5)
+    assert running.engine.model.timing.decode_base_ms == pytest.approx(base.decode_base_ms / 0.5)
+    for bad in ({"speed": 0}, {"speed": "fast"}, {"speed": float("inf")}, {}, [1]):
+        async with http.post(running.url + "/control/speed", json=bad) as resp:
+            assert resp.status == 400, bad
+    async with http.post(running.url + "/control/speed", data=b"{") as resp:
+        assert resp.status == 400
+    assert running.engine.model.timing.prefill_ms_per_token == pytest.approx(
+        base.prefill_ms_per_token / 0.5
+    )
+
+
+def test_registered_timing_can_be_none_or_another_speed() -> None:
+    own = MockEngineConfig(port=9, speed=2.0).instance_spec(1)
+    assert own.prefill_ms_per_token == pytest.approx(EngineTiming().prefill_ms_per_token / 2)
+    bare = MockEngineConfig(port=9, speed=2.0, register_timing="none").instance_spec(1)
+    assert not bare.has_timing
+    shared = MockEngineConfig(port=9, speed=2.0, register_speed=1.0).instance_spec(1)
+    assert shared.prefill_ms_per_token == pytest.approx(EngineTiming().prefill_ms_per_token)
+    with pytest.raises(ValueError):
+        MockEngineConfig(register_timing="guess")
+    with pytest.raises(ValueError):
+        MockEngineConfig(register_speed=0.0)

@@ -40,6 +40,7 @@ from coordinator.errors import (
 )
 from coordinator.keys import ID_RE
 from coordinator.scripts import SCRIPT_NAMES
+from coordinator.timing import add_sample, empty_record, pack
 from tests.helpers import assert_counters_match_reservations, delete_pool
 
 pytestmark = pytest.mark.timeout(120)
@@ -125,8 +126,22 @@ LAYOUTS: dict[str, list[Any]] = {
         st.integers(1, 64).map(str),
         flags,
     ],
+    "merge_timing": [
+        st.integers(1, 86_400_000).map(str),
+        st.floats(0, 100).map(repr),
+        st.integers(1, 86_400_000).map(str),
+        ids,
+        st.builds(lambda epoch: pack(_timing_batch(epoch)), st.integers(0, 4)),
+    ],
 }
 block_hash = st.text("0123456789abcdef", min_size=1, max_size=16)
+
+
+def _timing_batch(epoch: int) -> list[float]:
+    batch = empty_record(epoch, 2)
+    add_sample(batch, 0, 500, 120.0)
+    add_sample(batch, 1, 4, 20.0)
+    return batch
 
 
 @dataclass
@@ -268,6 +283,8 @@ def extra_keys(c: Coordinator, call: Call) -> list[str]:
         return [c.keys.outliers()]
     if call.name == "record_prefix":
         return [c.keys.prefix_owners(), c.keys.prefix_lru()]
+    if call.name == "merge_timing":
+        return [c.keys.timing()]
     return []
 
 
@@ -357,6 +374,7 @@ BASE_CALLS: dict[str, list[str]] = {
     "read_outliers": [],
     "store_hints": ["i0", "1.5", "", "2"],
     "record_prefix": ["i0", "1000", "8", "1", "0a1b", "ff00"],
+    "merge_timing": ["10000", "4.0", "86400000", "i0", pack(_timing_batch(1))],
 }
 SWEEP_VALUES = ["-0", "-0.0", "-1", "0x10", " 5", "1e3", "1.5", "nan", "inf", "", "{", "x" * 129]
 

@@ -345,9 +345,10 @@ def test_reservation_invariants_fakeredis() -> None:
 async def test_zero_prefill_ms_lifecycle(
     make_coordinator: MakeCoordinator, backend: str, request: pytest.FixtureRequest
 ) -> None:
-    """An instance without a timing model (prefill_ms 0) goes through the whole lifecycle."""
+    """An instance predicted to prefill in 0 ms goes through the whole lifecycle."""
     c = await make_coordinator("n1")
-    await c.register_instance(InstanceSpec(id="i0", url="http://127.0.0.1:9000"))
+    zero = {"prefill_ms_per_token": 0.0, "prefill_overhead_ms": 0.0, "decode_ms_per_token": 0.0}
+    await c.register_instance(InstanceSpec(id="i0", url="http://127.0.0.1:9000", **zero))
     first = await c.reserve(100, 10)
     second = await c.reserve(0, 0)
     assert first.prefill_ms == second.prefill_ms == 0

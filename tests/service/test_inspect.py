@@ -186,6 +186,9 @@ async def test_tables_show_instances_leases_and_phases(
     dead = next(line for line in lines if line.split()[:1] == ["node-dead"])
     assert "expired" in dead and "ago" in dead
     assert "reservations 6: prefill 5, decode 1" in out
+    # Where each instance's predicting timing comes from (registered: configured).
+    timing = next(line for line in lines if line.split()[:1] == ["i0"] and "configured" in line)
+    assert timing.split()[1:3] == ["configured", "(0)"]
     assert f"pool {pool}" in out
 
     # The same frame, rendered for the docs: the SVG the watch screenshot is made from.

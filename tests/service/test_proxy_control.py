@@ -171,7 +171,8 @@ async def test_debug_instance_loads_is_the_snapshot_selection_uses(harness: Harn
     engines = [await harness.engine(gate_after=1) for _ in range(3)]
     node = await harness.node()
     base = node.control_url + "/v1/instances"
-    for i, (engine, running) in enumerate(zip(engines, (0, 3, 7), strict=True)):
+    # Far apart: the default weights also count each request's predicted TTFT.
+    for i, (engine, running) in enumerate(zip(engines, (0, 5, 9), strict=True)):
         assert (await call(harness, "POST", base, {"id": f"e{i}", "url": engine.url}))[0] == 201
         hints = {"engine_running": running, "engine_waiting": 1}
         assert (await call(harness, "POST", f"{base}/e{i}/heartbeat", hints))[0] == 200
@@ -205,10 +206,11 @@ async def test_debug_instance_loads_is_the_snapshot_selection_uses(harness: Harn
     assert _absolute(view) == _absolute(expected)
     rows = {row["id"]: row for row in view["instances"]}
     assert rows["e0"]["inflight"] == 2 and rows["e0"]["rank"] == 0
-    # inflight 2 + engine_running 0 + engine_waiting 1 x 0.25
-    assert rows["e0"]["least_load_score"]["total"] == pytest.approx(2.25)
+    # inflight 2 + engine_running 0 + engine_waiting 1 x 0.25 + active_decode 2 x 0.5 (the
+    # default timing turns the predicted layer on; no prefill is pending, no backlog)
+    assert rows["e0"]["least_load_score"]["total"] == pytest.approx(3.25)
     assert rows["e0"]["least_load_score"]["sources"]["instantaneous"] == "hints"
-    assert rows["e2"]["hints"]["engine_running"]["value"] == 7
+    assert rows["e2"]["hints"]["engine_running"]["value"] == 9
     assert view["node_id"] == coordinator.node_id and view["pool"] == coordinator.pool
     assert view["coordination"] == "ok" and view["weights"]["inflight"] == 1.0
     for engine in engines:

@@ -1,4 +1,4 @@
-"""Pure pieces of the proxy node: request intake, output-length learning, header filters."""
+"""Pure pieces of the proxy node: request intake, header filters, output counting."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from multidict import CIMultiDict
 from proxy_node.headers import copy_response_headers, request_headers
 from proxy_node.intake import CompletionRequest, RequestRejectedError, parse_completion
 from proxy_node.metrics import NodeMetrics
-from proxy_node.state import INITIAL_OUTPUT_TOKENS, NodeState
 from proxy_node.usage import OutputCounter
 
 
@@ -75,14 +74,12 @@ def test_output_counter_prefers_usage_then_counts_chunks() -> None:
     assert broken.tokens() is None
 
 
-def test_expected_output_average_follows_observations() -> None:
-    state = NodeState()
-    assert state.expected_output_tokens() == INITIAL_OUTPUT_TOKENS
-    for _ in range(200):
-        state.observe_output(40)
-    assert 40 <= state.expected_output_tokens() <= 42
-    state.observe_output(0)  # nothing learned from an empty answer
-    assert state.observed_outputs == 200
+def test_parse_completion_keeps_the_model_and_the_cap() -> None:
+    """What the learned output length is looked up by, and bounded by."""
+    parsed = parse_completion(b'{"model": "m", "prompt": "x", "max_tokens": 9}', None, 256)
+    assert (parsed.model, parsed.output_cap, parsed.expected_output_tokens) == ("m", 9, 9)
+    parsed = parse_completion(b'{"model": 5, "prompt": "x"}', None, 256)
+    assert (parsed.model, parsed.output_cap, parsed.expected_output_tokens) == (None, None, 256)
 
 
 def test_hop_by_hop_headers_are_filtered_both_ways() -> None:

@@ -1,0 +1,86 @@
+-- merge_timing: fold one node's timing samples into the pool's learned statistics,
+-- and return them all (coordinator/timing.py documents the record and the merge,
+-- and merge_record there is this merge in Python).
+-- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[22] = {pool}:timing  hash: instance id (or "|output|<model>") -> hex of a msgpack
+--   record [epoch, at_ms, n, w, sx, sy, sxx, sxy, ...] (a group of six per fitted line);
+--   hex keeps replies text for clients that decode them
+-- ARGV[1] = half-life of the statistics' weight in ms (integer >= 1)
+-- ARGV[2] = floor weight the decay stops at (number >= 0)
+-- ARGV[3] = the hash expires when no node merged into it for this many ms (integer >= 1)
+-- ARGV[4], ARGV[5], ... = field, hex msgpack batch (same layout; at_ms ignored), pairs
+-- returns {now_ms, {field, record, field, record, ...}} (the whole hash)
+local T = KEYS[22]
+local half = int_arg(ARGV[1])
+local floor_w = tonumber(ARGV[2])
+local max_age = int_arg(ARGV[3])
+if not half or half < 1 then return fail('bad_arg', 'half-life must be an integer >= 1') end
+if not floor_w or floor_w ~= floor_w or floor_w < 0 then
+  return fail('bad_arg', 'floor weight must be a number >= 0')
+end
+if not max_age or max_age < 1 then return fail('bad_arg', 'max age must be an integer >= 1') end
+if #ARGV % 2 ~= 1 then return fail('bad_arg', 'batches come as field, record pairs') end
+
+local GROUP = 6
+local function from_hex(text)
+  if type(text) ~= 'string' or #text % 2 ~= 0 or string.find(text, '[^0-9a-f]') then
+    return nil
+  end
+  local ok, value = pcall(cmsgpack.unpack, (string.gsub(text, '..', function(h)
+    return string.char(tonumber(h, 16))
+  end)))
+  if ok then return value end
+  return nil
+end
+
+local function to_hex(record)
+  return (string.gsub(cmsgpack.pack(record), '.', function(c)
+    return string.format('%02x', string.byte(c))
+  end))
+end
+
+local function record_ok(r)
+  if type(r) ~= 'table' or #r < 2 + GROUP or (#r - 2) % GROUP ~= 0 then return false end
+  for i = 1, #r do
+    local v = r[i]
+    if type(v) ~= 'number' or v ~= v or v == math.huge or v == -math.huge then return false end
+  end
+  return true
+end
+
+local batches = {}
+for i = 4, #ARGV, 2 do  -- every batch is checked before anything is written
+  local batch = from_hex(ARGV[i + 1])
+  if not record_ok(batch) then
+    return fail('bad_arg', 'batch of ' .. ARGV[i] .. ' is not a timing record')
+  end
+  batches[#batches + 1] = batch
+end
+
+local now = now_ms()
+for b = 1, #batches do
+  local field, batch = ARGV[2 + 2 * b], batches[b]
+  local rec = from_hex(redis.call('HGET', T, field))
+  if not record_ok(rec) then rec = nil end
+  if rec == nil or #rec ~= #batch or batch[1] > rec[1] then
+    rec = {batch[1], now}
+    for j = 3, #batch do rec[j] = 0 end
+  end
+  if batch[1] == rec[1] then
+    local decay = 1
+    if now > rec[2] then decay = 2 ^ (-(now - rec[2]) / half) end
+    for g = 3, #rec, GROUP do
+      local w = rec[g + 1]
+      local f = decay
+      if w * f < floor_w then
+        if w > floor_w then f = floor_w / w else f = 1 end
+      end
+      rec[g] = rec[g] + batch[g]
+      for j = 1, GROUP - 1 do rec[g + j] = rec[g + j] * f + batch[g + j] end
+    end
+    rec[2] = now
+    redis.call('HSET', T, field, to_hex(rec))
+  end
+end
+if #ARGV > 3 then redis.call('PEXPIRE', T, max_age) end
+return {now, redis.call('HGETALL', T)}

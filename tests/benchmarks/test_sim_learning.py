@@ -1,0 +1,60 @@
+"""The simulator's mixed fleet: instances of different true speeds, registered with no
+timing or with one wrong shared timing; the nodes learn each one's speed."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from bench.sim.simulator import SimConfig, Simulation
+from bench.sim.synthetic import synthetic_requests
+from bench.sim.traces import scale_to_utilization
+from coordinator.settings import Weights
+
+SPEEDS = (0.5, 1.0, 2.0)
+
+
+@pytest.mark.parametrize("registered", ["none", "shared"])
+def test_least_load_learns_every_instance_speed(registered: str) -> None:
+    config = SimConfig(
+        instances=6,
+        nodes=3,
+        speeds=SPEEDS,
+        registered_timing=registered,
+        learn=True,
+        expected_output="true",
+        weights=Weights.preset("ttft"),
+    )
+    requests = scale_to_utilization(
+        synthetic_requests(1500, 0), config.timing, config.capacity, 0.8
+    )
+    sim = Simulation(requests, "least_load", config)
+    result = sim.run()
+    assert result.completed == len(requests)
+    for k, spec in enumerate(sim.specs):
+        true = config.engine_timing(k).prefill_ms_per_token
+        source = sim.state.row(spec.id).timing
+        assert source is not None and source.prefill == "learned", spec.id
+        assert spec.prefill_ms_per_token == pytest.approx(true, rel=0.15), spec.id
+    # The 0.5x instances get less work than the 2x ones: the learned speeds are used.
+    slow, fast = result.assigned[0], result.assigned[2]
+    assert slow < fast
+
+
+def test_without_learning_an_unregistered_fleet_predicts_with_the_defaults() -> None:
+    config = SimConfig(instances=3, speeds=SPEEDS, registered_timing="none")
+    requests = synthetic_requests(50, 0)
+    sim = Simulation(requests, "least_load", config)
+    sim.run()
+    assert {sim.state.row(s.id).timing.prefill for s in sim.specs} == {"default"}  # type: ignore[union-attr]
+    assert {s.prefill_ms_per_token for s in sim.specs} == {config.timing.prefill_ms_per_token}
+
+
+def test_capacity_counts_speeds() -> None:
+    assert SimConfig(instances=4, speeds=SPEEDS).capacity == 0.5 + 1 + 2 + 0.5
+    assert replace(SimConfig(), instances=3).capacity == 3
+    with pytest.raises(ValueError):
+        SimConfig(speeds=(0.0,))
+    with pytest.raises(ValueError):
+        SimConfig(registered_timing="maybe")
