@@ -18,7 +18,7 @@ from coordinator.timing import relative_error
 DECISION_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # |observed - predicted| / observed: 0.1 = within 10 %, 1 = off by the whole TTFT
-PREDICTION_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5)
+PREDICTION_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.25, 0.3, 0.5, 1, 2, 5)
 
 # gauge name -> (help, InstanceLoad attribute)
 PRESSURE_GAUGES: dict[str, tuple[str, str]] = {

@@ -112,7 +112,7 @@ class SimConfig:
     max_slots: int = -1  # max_slots registered per instance; -1 = the engine's max_batch
     seed: int = 0
     timing: EngineTiming = field(default_factory=EngineTiming)
-    weights: Weights = field(default_factory=Weights)
+    weights: Weights = field(default_factory=lambda: Settings().weights)  # serve's default
     prefix_cache_tokens: int = 0  # each engine's prefix cache and index capacity; 0 = none
     block_tokens: int = TRACE_BLOCK_TOKENS  # tokens per trace block (hash_ids)
     prefix_max_blocks: int = Settings().prefix_max_blocks  # blocks a node looks up

@@ -168,10 +168,21 @@ async def test_a_success_resets_the_count_and_ejection_backs_off(harness: Harnes
 async def test_ejection_can_be_turned_off(harness: Harness) -> None:
     bad, good = await harness.engine(status=500), await harness.engine()
     node = await harness.node(eject_consecutive_failures=0)
-    await register(node, bad, good)
-    for _ in range(6):
+    # Zero timing: nothing predicted, so every decision is a tie and ties rotate (with
+    # the default timing a few ms left on one prefill cursor would break them).
+    for i, engine in enumerate((bad, good)):
+        spec = InstanceSpec(
+            id=f"e{i}",
+            url=engine.url,
+            prefill_ms_per_token=0.0,
+            prefill_overhead_ms=0.0,
+            decode_ms_per_token=0.0,
+        )
+        await node.coordinator.register_instance(spec)
+    for _ in range(12):
         await chat(harness, node)
-    assert bad.requests == 3 and good.requests == 3
+    # 6 failures in a row on e0: past the default threshold (5), yet never ejected.
+    assert bad.requests == 6 and good.requests == 6
 
 
 # ---------------------------------------------------------------------- bounded waits
