@@ -193,10 +193,11 @@ def findings(
         "their engines' timing. The seed's `backlog_ms` weight is 0.001 per ms: 300 ms "
         "of backlog scores 0.3, less than one request in any count term (inflight 1.0, "
         "engine_running 1.0, pending_prefill 1.0, active_decode 0.5), so by itself it "
-        "ranks by request counts. What carries the prediction in the default score is "
-        "the request-aware `ttft_ms` (the backlog plus the request's own uncached "
-        "prefill, 0.05 per ms since prefix affinity): 20 ms of predicted TTFT counts as "
-        "much as one request, and one pending 8k-token prompt as much as its wait. "
+        "ranks by request counts. The default weights (preset `ttft`, which these "
+        "least_load rows run) replace it by the request-aware `ttft_ms` (the backlog "
+        "plus the request's own uncached prefill) at 0.2 per ms: 5 ms of predicted TTFT "
+        "count as much as one request, so a pending 8k-token prompt outweighs any queue "
+        "of short ones. "
         "*Stale hints*: engine_running at weight 1.0 repeats what the "
         "shared inflight counter already knows, up to one scrape interval late, so it "
         "adds noise: on the conversation trace least_load_instantaneous is worse than "
@@ -206,12 +207,9 @@ def findings(
         "",
         "Proposed model change (not made here; `coordinator/settings.py` owns the "
         "defaults): discount an instantaneous hint by its age (weight × max(0, 1 − age "
-        "/ hint_ttl)) whenever the predicted layer is present. Now that the predicted "
-        "TTFT carries weight, its accuracy matters: "
-        "per-instance timing calibration (an EWMA of measured prefill ms/token and "
-        "decode ms/token, written to the instance's spec in Redis by its heartbeat) "
-        "keeps it honest on heterogeneous or drifting engines, which this simulation "
-        "cannot show because its engines match their registration exactly.",
+        "/ hint_ttl)) whenever the predicted layer is present. The engines here match "
+        "their registration exactly; learned timing on engines that do not is measured "
+        "in the `prediction-*` sections below.",
     ]
     return "\n".join(lines)
 
