@@ -484,17 +484,22 @@ def block_text(block: int) -> str:
 
 
 def trace_prompt(req: TraceRequest) -> str:
-    """A request's prompt: its blocks' texts in order (cut to its length), or filler."""
+    """A request's prompt: its blocks' texts in order (cut to its length), or filler
+    that starts with the request's index, so prompts of a trace without prefix blocks
+    share no prefix (one filler for all would look like one giant shared prefix to the
+    nodes' prefix index and the engines' caches)."""
     if not req.blocks:
-        return prompt_text(req.prompt_tokens)
+        return prompt_text(req.prompt_tokens, req.index)
     size = req.prompt_tokens * CHARS_PER_TOKEN
     return "".join(block_text(b) for b in req.blocks)[:size]
 
 
-def prompt_text(tokens: int) -> str:
-    """Synthetic ASCII text of exactly `tokens * CHARS_PER_TOKEN` characters."""
+def prompt_text(tokens: int, request: int | None = None) -> str:
+    """Synthetic ASCII text of exactly `tokens * CHARS_PER_TOKEN` characters; with
+    `request`, it starts with that number (a prefix no other request shares)."""
     size = tokens * CHARS_PER_TOKEN
-    return (FILLER * (size // len(FILLER) + 1))[:size]
+    head = "" if request is None else f"<request {request}> "
+    return (head + FILLER * (size // len(FILLER) + 1))[:size]
 
 
 def build_request(req: TraceRequest, model: str = "mock") -> tuple[bytes, dict[str, str]]:

@@ -21,9 +21,11 @@ from bench.live import (
     load_slice,
     prompt_text,
     summarize,
+    trace_prompt,
 )
 from bench.sim.simulator import StrategyResult
 from bench.sim.traces import TraceRequest
+from coordinator.settings import Settings
 from coordinator.tokens import estimate_tokens, max_output_tokens_of, prompt_tokens_of
 from coordinator_cli.main import main
 
@@ -61,6 +63,15 @@ def test_request_prompt_is_four_chars_per_token(tokens: int) -> None:
     assert headers["X-Mock-Output-Tokens"] == "13"
     assert headers["Content-Type"] == "application/json"
     assert headers["X-Request-Id"].startswith("live-3-")
+
+
+def test_prompts_without_prefix_blocks_share_no_prefix_block() -> None:
+    # Azure rows have no hash_ids: one filler for every prompt would be one shared
+    # prefix to the nodes' index and the engines' caches.
+    chars = Settings().prefix_block_chars
+    tokens = 3 * chars // 4
+    first_blocks = {trace_prompt(TraceRequest(i, 0.0, tokens, 8))[:chars] for i in range(50)}
+    assert len(first_blocks) == 50
 
 
 def test_load_slice_rebases_and_scales_like_the_sim(tmp_path: Path) -> None:
