@@ -1154,6 +1154,8 @@ class Coordinator:
     ) -> Any:
         """Run one script with its errors mapped (no degraded-mode bookkeeping)."""
         script = self.scripts[name]
+        if name == "register":  # a new id continues above its prefix entries' epoch
+            extra = (self.keys.prefix_lru(),)
         keys = [*self._columns, *extra]
         try:
             for _ in range(NOSCRIPT_RETRIES):

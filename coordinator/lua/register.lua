@@ -1,5 +1,6 @@
 -- register: upsert an instance; a higher epoch voids the old epoch's reservations.
 -- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[22] = {pool}:prefix_lru (lua/record_prefix.lua), to read the id's highest epoch
 -- ARGV[1] = instance id
 -- ARGV[2] = spec JSON (InstanceSpec without epoch): an object with this id and an
 --   http(s) url; its other fields are validated by the caller
@@ -28,6 +29,11 @@ if not stored then
   status = 'new'
   -- An id unregistered while void records of it remain continues above their epoch.
   local retired = tonumber(redis.call('HGET', K_RETIRED, id) or '0')
+  -- So do its prefix index entries (reclaimed later than its reservation records):
+  -- at an old epoch again, they would credit a cache the new engine does not hold.
+  local last = redis.call('ZRANGE', KEYS[22], '(' .. id .. '$', '[' .. id .. '#', 'BYLEX', 'REV',
+    'LIMIT', 0, 1)[1]
+  if last then retired = math.max(retired, tonumber(string.match(last, '^.*#(%d+)|'))) end
   if epoch <= retired then epoch = retired + 1 end
   for _, key in ipairs({K_INFLIGHT, K_PENDING, K_DECODE, K_PENDING_MS}) do
     redis.call('HSET', key, id, 0)

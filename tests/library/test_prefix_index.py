@@ -219,3 +219,17 @@ async def test_a_degraded_node_does_not_ask_redis(make_coordinator: MakeCoordina
     c._degraded = True  # what _enter_degraded sets (without starting its recovery task)
     assert await c.prefix.cached_tokens(h) == {}
     await c.prefix.record("i0", h)  # and records nothing, silently
+
+
+async def test_a_re_registered_id_gets_no_credit_for_its_old_registration(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Unregistering an id with no reservations forgets its epoch at once; registering
+    it again must not revive the blocks its old (restarted) engine held."""
+    c = await setup(make_coordinator)
+    await c.prefix.record("i1", hashes(c, "a", "b", "c"))
+    await c.unregister_instance("i1")
+    status = await c.register_instance(spec(1))
+    await c.refresh()
+    assert status.status == "new"
+    assert await c.prefix.cached_tokens(hashes(c, "a", "b", "c")) == {}
