@@ -236,6 +236,22 @@ async def test_a_re_registered_id_gets_no_credit_for_its_old_registration(
     assert await c.prefix.cached_tokens(hashes(c, "a", "b", "c")) == {}
 
 
+async def test_an_explicit_epoch_keeps_the_credit_of_the_same_engine(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """An engine that names its epoch (its start time, say) and comes back with the
+    same one after an unregister is the same process: its cache is still there."""
+    c = await setup(make_coordinator, n=0)
+    await c.register_instance(spec(1, epoch=5))
+    await c.refresh()
+    await c.prefix.record("i1", hashes(c, "a", "b"))
+    await c.unregister_instance("i1")
+    status = await c.register_instance(spec(1, epoch=5))
+    await c.refresh()
+    assert (status.status, status.epoch) == ("new", 5)
+    assert await c.prefix.cached_tokens(hashes(c, "a", "b")) == {"i1": 2 * TOKENS}
+
+
 async def test_a_prompt_in_constant_use_is_not_evicted_as_the_oldest(
     make_coordinator: MakeCoordinator,
 ) -> None:
