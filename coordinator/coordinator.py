@@ -399,7 +399,8 @@ class Coordinator:
         """Read the pool's packed state (and liveness when due); then any spec changes."""
         for _ in range(2):
             due = self._live_due() if live is None else live
-            if not self._apply(await self._call("read_state", [int(due)])):
+            issued = self._cache.state_ver
+            if not self._apply(await self._call("read_state", [int(due)]), issued):
                 raise CoordinationUnavailableError("redis lost the pool: re-asserting")
             if self._cache.specs_behind:
                 await self._read_specs(self._call)
@@ -429,7 +430,7 @@ class Coordinator:
             return True
         return False
 
-    def _apply(self, view: list[Any]) -> bool:
+    def _apply(self, view: list[Any], issued_ver: int) -> bool:
         """Merge a view; False (and a re-assert) when Redis lost the pool meanwhile.
 
         A new run_id means FLUSHDB, eviction or a failover to an empty replica: the
@@ -445,7 +446,7 @@ class Coordinator:
                     self.stats.pool_losses += 1
                 self._enter_degraded(f"redis lost the pool (run_id {self._cache.run_id} -> {run})")
             return False
-        self._cache.apply_view(*view)
+        self._cache.apply_view(*view, issued_ver=issued_ver)
         return True
 
     async def _read_specs(
@@ -638,9 +639,10 @@ class Coordinator:
                     row.inflight + slack,
                     row.pending_prefill + slack,
                 ]
+            issued = self._cache.state_ver  # the version view_token named
             reply = await self._call("reserve", args, (self._node_rids,))
             status = str(reply[0])
-            current = self._apply(reply[-1])
+            current = self._apply(reply[-1], issued)
             if status in ("ok", "dup"):
                 self._leased = True
                 if force:
@@ -1261,6 +1263,8 @@ class Coordinator:
     ) -> Any:
         """Run one script with its errors mapped (no degraded-mode bookkeeping)."""
         script = self.scripts[name]
+        if name == "register":  # a new id continues above its prefix entries' epoch
+            extra = (self.keys.prefix_lru(),)
         keys = [*self._columns, *extra]
         try:
             for _ in range(NOSCRIPT_RETRIES):

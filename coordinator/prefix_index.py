@@ -100,11 +100,13 @@ class PrefixIndex:
 
         `held_tokens` is what the lookup found the instance holding already: only the
         deepest block it held (refreshed) and the new ones after it are sent, so a
-        conversation's next turn costs the blocks it adds, not its whole history.
+        conversation's next turn costs the blocks it adds, not its whole history. A
+        whole hit still refreshes its deepest block: the engine's cache keeps a prompt
+        in constant use, so the index must not evict it as the oldest.
         """
-        held = held_tokens // self.block_tokens
-        if held >= len(hashes):
-            return  # nothing new (or nothing at all): every block was held already
+        if not hashes:
+            return
+        held = min(held_tokens // self.block_tokens, len(hashes))
         hashes = hashes[max(0, held - 1) :]
         capacity = self._capacity_tokens(instance_id)
         if capacity is None:

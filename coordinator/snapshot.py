@@ -133,11 +133,15 @@ class PoolCache:
         state_ver: Any = -1,
         slot: Any = -1,
         record: Any = None,
+        *,
+        issued_ver: int = -1,
     ) -> None:
         """Merge a read_state reply or a reserve reply's view.
 
         A reserve reply without `state` (None or False) carries one record
         (`slot`, `record`: apply_patch), or slot -1 when this view was current.
+        `issued_ver` is the view's state_ver when the call was sent: a whole state
+        older than that is not a late reply but Redis gone back (see _take_state).
         """
         run = as_text(run_id)
         if run != self.run_id:
@@ -147,7 +151,7 @@ class PoolCache:
         self.clock_mono = time.monotonic()
         touched: set[int] = set()
         if state is not None and state is not False:
-            touched.update(self._take_state(as_bytes(state), int(state_ver)))
+            touched.update(self._take_state(as_bytes(state), int(state_ver), issued_ver))
         elif int(slot) >= 0:
             self.apply_patch(state_ver, slot, record)
         elif int(state_ver) == self.state_ver:  # the script found this view current
@@ -161,8 +165,15 @@ class PoolCache:
                 self.live = new_live
         self._rebuild(touched)
 
-    def _take_state(self, state: bytes, version: int) -> list[int]:
+    def _take_state(self, state: bytes, version: int, issued_ver: int) -> list[int]:
         """Adopt a whole `state` unless this view is newer; returns the changed slots."""
+        if version < issued_ver:
+            # Read after the view reached `issued_ver`, yet older: Redis lost changes
+            # but kept the run_id (a failover to a replica that lagged, an AOF
+            # restart). Its history is the pool's now; refusing it would keep this
+            # view wrong until as many changes happened again.
+            self.ahead.clear()
+            self.state_ver = -1
         if version < self.state_ver:
             return []  # a late reply: the view has moved past it
         for slot, (newer, record) in list(self.ahead.items()):

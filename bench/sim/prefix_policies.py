@@ -47,9 +47,9 @@ class SharedPrefixIndex:
     def record(self, instance: str, blocks: Sequence[Hashable], held: int = 0) -> None:
         """The chosen instance now holds these blocks (LRU, bounded); `held` leading
         blocks of them it held already (only the deepest of those is refreshed)."""
-        if self.capacity_blocks <= 0 or held >= len(blocks):
+        if self.capacity_blocks <= 0 or not blocks:
             return
-        blocks = blocks[max(0, held - 1) :]
+        blocks = blocks[max(0, min(held, len(blocks)) - 1) :]
         lru = self._lru.setdefault(instance, OrderedDict())
         for block in reversed(blocks):
             owners = self._owners.setdefault(block, [])

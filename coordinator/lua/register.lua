@@ -1,10 +1,12 @@
 -- register: upsert an instance; a higher epoch voids the old epoch's reservations.
 -- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[22] = {pool}:prefix_lru (lua/record_prefix.lua), to read the id's highest epoch
 -- ARGV[1] = instance id
 -- ARGV[2] = spec JSON (InstanceSpec without epoch): an object with this id and an
 --   http(s) url; its other fields are validated by the caller
 -- ARGV[3] = max_slots (integer >= 0, 0 = unlimited)
--- ARGV[4] = epoch (integer >= 0; 0 = keep the stored epoch, or 1 when new)
+-- ARGV[4] = epoch (integer >= 0; 0 = keep the stored epoch, or 1 when new: above the
+--   epochs of a former registration that left void records or prefix entries)
 -- returns {'new'|'updated'|'restarted', epoch, voided_reservations}
 --   a restart zeroes the old epoch's counters at once; its records are deleted in
 --   bounded steps (sweep.lua), never all in this call
@@ -28,6 +30,15 @@ if not stored then
   status = 'new'
   -- An id unregistered while void records of it remain continues above their epoch.
   local retired = tonumber(redis.call('HGET', K_RETIRED, id) or '0')
+  if epoch == 0 then
+    -- An automatic epoch also continues above the id's prefix index entries (they
+    -- outlive its reservation records): at their epoch again, they would credit a
+    -- cache this engine may not hold. An explicit epoch names its engine: equal to
+    -- theirs, it is the engine that holds them.
+    local last = redis.call('ZRANGE', KEYS[22], '(' .. id .. '$', '[' .. id .. '#', 'BYLEX',
+      'REV', 'LIMIT', 0, 1)[1]
+    if last then retired = math.max(retired, tonumber(string.match(last, '^.*#(%d+)|'))) end
+  end
   if epoch <= retired then epoch = retired + 1 end
   for _, key in ipairs({K_INFLIGHT, K_PENDING, K_DECODE, K_PENDING_MS}) do
     redis.call('HSET', key, id, 0)

@@ -458,3 +458,21 @@ def test_prometheus_rules_are_well_formed() -> None:
         assert r["labels"]["severity"] in {"info", "warning", "critical"}, r
         assert r["annotations"]["summary"], r
         assert f'namespace="{NAMESPACE}"' in r["expr"], r  # scoped to this release
+
+
+@pytest.mark.parametrize(
+    ("drain", "probes", "complaint"),
+    [
+        # Streams of up to 2 minutes, default liveness (60 s): restarted mid-drain.
+        ({"timeoutSeconds": 120}, {}, "liveness"),
+        ({}, {"liveness": {"periodSeconds": 5, "failureThreshold": 3}}, "liveness"),
+        # No time left for the last releases (NodeState.drain) before the kill.
+        ({"slackSeconds": int(state.DRAIN_TIMEOUT_S)}, {}, "slackSeconds"),
+    ],
+)
+def test_a_drain_the_pod_would_not_survive_fails_to_render(
+    drain: dict[str, Any], probes: dict[str, Any], complaint: str
+) -> None:
+    values = {"redis": {"host": "r"}, "drain": drain, "probes": probes}
+    with pytest.raises(helm.HelmError, match=complaint):
+        render(values)

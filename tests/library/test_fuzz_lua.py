@@ -273,7 +273,7 @@ async def lua_pool(redis_url: str, pool: str) -> AsyncIterator[Pool]:
 
 
 def extra_keys(c: Coordinator, call: Call) -> list[str]:
-    """KEYS[22] where the header names one: a node's reservation set."""
+    """KEYS[22..] where the header names them (a node's reservation set, ...)."""
     if call.name == "reap_node":
         node = call.args[0] if call.args and isinstance(call.args[0], str) else NODE
         return [c.keys.node_rids(node if ID_RE.match(node) else NODE)]
@@ -285,6 +285,8 @@ def extra_keys(c: Coordinator, call: Call) -> list[str]:
         return [c.keys.prefix_owners(), c.keys.prefix_lru()]
     if call.name == "merge_timing":
         return [c.keys.timing()]
+    if call.name == "register":
+        return [c.keys.prefix_lru()]
     return []
 
 

@@ -199,9 +199,10 @@ async def test_a_follow_up_records_only_the_blocks_it_adds(
     assert sorted(after) == sorted(follow_up)
     assert [after[h] == before[h] for h in first] == [True, True, False]
     assert await c.prefix.cached_tokens(follow_up) == {"i0": 5 * TOKENS}
-    # Nothing new: no call at all (the index is left as it is).
+    # Nothing new: only the deepest block is refreshed.
     await c.prefix.record("i0", follow_up, 5 * TOKENS)
-    assert {m.rsplit("|", 1)[1]: m for m in await lru_members(c)} == after
+    again = {m.rsplit("|", 1)[1]: m for m in await lru_members(c)}
+    assert [again[h] == after[h] for h in follow_up] == [True] * 4 + [False]
 
 
 async def test_a_degraded_node_does_not_ask_redis(make_coordinator: MakeCoordinator) -> None:
@@ -219,3 +220,50 @@ async def test_a_degraded_node_does_not_ask_redis(make_coordinator: MakeCoordina
     c._degraded = True  # what _enter_degraded sets (without starting its recovery task)
     assert await c.prefix.cached_tokens(h) == {}
     await c.prefix.record("i0", h)  # and records nothing, silently
+
+
+async def test_a_re_registered_id_gets_no_credit_for_its_old_registration(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Unregistering an id with no reservations forgets its epoch at once; registering
+    it again must not revive the blocks its old (restarted) engine held."""
+    c = await setup(make_coordinator)
+    await c.prefix.record("i1", hashes(c, "a", "b", "c"))
+    await c.unregister_instance("i1")
+    status = await c.register_instance(spec(1))
+    await c.refresh()
+    assert status.status == "new"
+    assert await c.prefix.cached_tokens(hashes(c, "a", "b", "c")) == {}
+
+
+async def test_an_explicit_epoch_keeps_the_credit_of_the_same_engine(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """An engine that names its epoch (its start time, say) and comes back with the
+    same one after an unregister is the same process: its cache is still there."""
+    c = await setup(make_coordinator, n=0)
+    await c.register_instance(spec(1, epoch=5))
+    await c.refresh()
+    await c.prefix.record("i1", hashes(c, "a", "b"))
+    await c.unregister_instance("i1")
+    status = await c.register_instance(spec(1, epoch=5))
+    await c.refresh()
+    assert (status.status, status.epoch) == ("new", 5)
+    assert await c.prefix.cached_tokens(hashes(c, "a", "b")) == {"i1": 2 * TOKENS}
+
+
+async def test_a_prompt_in_constant_use_is_not_evicted_as_the_oldest(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """An engine's cache refreshes a prefix on every hit; so must the index, or a
+    prompt repeated all the time loses its credit to newer, colder ones."""
+    c = await setup(make_coordinator, prefix_cache_tokens=4 * TOKENS)
+    hot = hashes(c, "a", "b")
+    await c.prefix.record("i0", hot)
+    await c.prefix.record("i0", hashes(c, "x", "y"))
+    held = (await c.prefix.cached_tokens(hot))["i0"]
+    assert held == 2 * TOKENS
+    await c.prefix.record("i0", hot, held)  # the hot prompt again: a whole hit
+    await c.prefix.record("i0", hashes(c, "z", "w"))  # two over capacity: two evicted
+    assert await c.prefix.cached_tokens(hot) == {"i0": 2 * TOKENS}
+    assert await c.prefix.cached_tokens(hashes(c, "x", "y")) == {"i0": TOKENS}

@@ -346,3 +346,21 @@ async def test_a_node_whose_candidates_all_left_reserves_on_the_newcomer(
     assert res.instance_id == "new"
     await a.release(res.rid)
     await assert_counters_match_reservations(a)
+
+
+async def test_a_view_follows_redis_back_to_an_older_state_ver(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """A failover to a replica that lagged (or an AOF restart) keeps the run_id but
+    takes `state_ver` back: a read issued after the view reached a version and
+    answered with an older one is that older history, not a late reply."""
+    a, b = await two_nodes(make_coordinator)
+    await a.refresh()
+    res = await a.reserve(100, 10)
+    meta = a.keys.column("meta")
+    # The replica promoted missed a's reservation's writes and a few before it.
+    await a.redis.hincrby(meta, "state_ver", -5)
+    await b.release(res.rid)  # a change after the failover: still below a's version
+    await a.refresh()
+    assert a._cache.rows[res.instance_id].inflight == 0
+    await assert_view_is_current(a, make_coordinator)
