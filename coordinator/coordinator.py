@@ -85,6 +85,7 @@ NOSCRIPT_RETRIES = 3  # extra loads when scripts are flushed again mid-call
 SPEC_READ_STEP = 500  # instances per read_specs call: bounded work per script
 SWEEP_STEP = 500  # void records one sweep call may delete (about 3 us each)
 TIMING_MAX_AGE_MS = 86_400_000  # a pool's learned timing expires after a day unmerged
+TIMING_STEP = 500  # timing batches merged, and records read, per merge_timing call
 REAP_STEP = 50  # reservations one reap_node call may release (about 40 us each at 10k instances)
 
 
@@ -1229,22 +1230,37 @@ class Coordinator:
         return min(value, max_tokens) if max_tokens is not None else value
 
     async def sync_timing(self) -> None:
-        """Merge this node's samples into the pool's and take the pool's (one script call)."""
-        batches = self.observations.drain()
-        args: list[Any] = [
-            self.settings.timing_half_life_ms,
-            repr(self._cache.timing_policy.floor_weight),
-            TIMING_MAX_AGE_MS,
-        ]
-        for name, batch in batches.items():
-            args += [name, pack(batch)]
-        reply = await self._call("merge_timing", args, (self.keys.timing(),))
-        flat = list(reply[1])
+        """Merge this node's samples into the pool's and take the pool's.
+
+        In bounded steps: each call merges at most TIMING_STEP batches and returns one
+        page of the pool's records, so no call grows with the pool (issue 12's no-stall
+        rule); a pool of up to TIMING_STEP instances takes one call.
+        """
+        batches = list(self.observations.drain().items())
         records: dict[str, list[float]] = {}
-        for k in range(0, len(flat), 2):
-            record = unpack(flat[k + 1])
-            if record is not None:
-                records[as_text(flat[k])] = record
+        cursor = "0"
+        while True:
+            step, batches = batches[:TIMING_STEP], batches[TIMING_STEP:]
+            args: list[Any] = [
+                self.settings.timing_half_life_ms,
+                repr(self._cache.timing_policy.floor_weight),
+                TIMING_MAX_AGE_MS,
+                cursor,
+            ]
+            for name, batch in step:
+                args += [name, pack(batch)]
+            reply = await self._call("merge_timing", args, (self.keys.timing(),))
+            flat = list(reply[1])
+            for k in range(0, len(flat), 2):
+                record = unpack(flat[k + 1])
+                if record is not None:
+                    records[as_text(flat[k])] = record
+            if cursor != "":
+                cursor = as_text(reply[2])
+                if cursor == "0":
+                    cursor = ""  # the hash was read to its end: only merges remain
+            if cursor == "" and not batches:
+                break
         self._cache.apply_learned(records)
 
     async def _timing_loop(self) -> None:

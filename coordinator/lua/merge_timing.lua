@@ -8,8 +8,12 @@
 -- ARGV[1] = half-life of the statistics' weight in ms (integer >= 1)
 -- ARGV[2] = floor weight the decay stops at (number >= 0)
 -- ARGV[3] = the hash expires when no node merged into it for this many ms (integer >= 1)
--- ARGV[4], ARGV[5], ... = field, hex msgpack batch (same layout; at_ms ignored), pairs
--- returns {now_ms, {field, record, field, record, ...}} (the whole hash)
+-- ARGV[4] = HSCAN cursor of the page of the hash to return ('' = none; '0' = the first)
+-- ARGV[5], ARGV[6], ... = field, hex msgpack batch (same layout; at_ms ignored), pairs
+-- returns {now_ms, {field, record, ...}, next_cursor}: the records this call merged,
+--   then one page (about 500 fields) of the hash from the cursor; next_cursor '0' when
+--   the hash was read to its end. Callers send at most 500 batches, so every call is
+--   bounded whatever the pool size, and walk the cursor over several calls.
 local T = KEYS[22]
 local half = int_arg(ARGV[1])
 local floor_w = tonumber(ARGV[2])
@@ -19,7 +23,11 @@ if not floor_w or floor_w ~= floor_w or floor_w < 0 then
   return fail('bad_arg', 'floor weight must be a number >= 0')
 end
 if not max_age or max_age < 1 then return fail('bad_arg', 'max age must be an integer >= 1') end
-if #ARGV % 2 ~= 1 then return fail('bad_arg', 'batches come as field, record pairs') end
+local cursor = ARGV[4]
+if cursor == nil or (cursor ~= '' and not string.match(cursor, '^%d+$')) then
+  return fail('bad_arg', 'cursor must be empty or an HSCAN cursor')
+end
+if #ARGV % 2 ~= 0 then return fail('bad_arg', 'batches come as field, record pairs') end
 
 local GROUP = 6
 local function from_hex(text)
@@ -49,7 +57,7 @@ local function record_ok(r)
 end
 
 local batches = {}
-for i = 4, #ARGV, 2 do  -- every batch is checked before anything is written
+for i = 5, #ARGV, 2 do  -- every batch is checked before anything is written
   local batch = from_hex(ARGV[i + 1])
   if not record_ok(batch) then
     return fail('bad_arg', 'batch of ' .. ARGV[i] .. ' is not a timing record')
@@ -58,8 +66,9 @@ for i = 4, #ARGV, 2 do  -- every batch is checked before anything is written
 end
 
 local now = now_ms()
+local merged = {}
 for b = 1, #batches do
-  local field, batch = ARGV[2 + 2 * b], batches[b]
+  local field, batch = ARGV[3 + 2 * b], batches[b]
   local rec = from_hex(redis.call('HGET', T, field))
   if not record_ok(rec) then rec = nil end
   if rec == nil or #rec ~= #batch or batch[1] > rec[1] then
@@ -79,8 +88,17 @@ for b = 1, #batches do
       for j = 1, GROUP - 1 do rec[g + j] = rec[g + j] * f + batch[g + j] end
     end
     rec[2] = now
-    redis.call('HSET', T, field, to_hex(rec))
+    local hex = to_hex(rec)
+    redis.call('HSET', T, field, hex)
+    merged[#merged + 1] = field
+    merged[#merged + 1] = hex
   end
 end
-if #ARGV > 3 then redis.call('PEXPIRE', T, max_age) end
-return {now, redis.call('HGETALL', T)}
+if #ARGV > 4 then redis.call('PEXPIRE', T, max_age) end
+local next_cursor = '0'
+if cursor ~= '' then
+  local page = redis.call('HSCAN', T, cursor, 'COUNT', 500)
+  next_cursor = page[1]
+  for _, v in ipairs(page[2]) do merged[#merged + 1] = v end
+end
+return {now, merged, next_cursor}

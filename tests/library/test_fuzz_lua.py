@@ -130,6 +130,7 @@ LAYOUTS: dict[str, list[Any]] = {
         st.integers(1, 86_400_000).map(str),
         st.floats(0, 100).map(repr),
         st.integers(1, 86_400_000).map(str),
+        st.sampled_from(["", "0", "17"]),
         ids,
         st.builds(lambda epoch: pack(_timing_batch(epoch)), st.integers(0, 4)),
     ],
@@ -376,7 +377,7 @@ BASE_CALLS: dict[str, list[str]] = {
     "read_outliers": [],
     "store_hints": ["i0", "1.5", "", "2"],
     "record_prefix": ["i0", "1000", "8", "1", "0a1b", "ff00"],
-    "merge_timing": ["10000", "4.0", "86400000", "i0", pack(_timing_batch(1))],
+    "merge_timing": ["10000", "4.0", "86400000", "0", "i0", pack(_timing_batch(1))],
 }
 SWEEP_VALUES = ["-0", "-0.0", "-1", "0x10", " 5", "1e3", "1.5", "nan", "inf", "", "{", "x" * 129]
 

@@ -194,7 +194,7 @@ async def test_merge_script_equals_the_python_merge(make_coordinator: MakeCoordi
         batches = {"i0": prefill_record(0.8, 100.0, 5 + round_, epoch)}
         batches["|output|m"] = empty_record(0, 1)
         add_sample(batches["|output|m"], 0, 0.0, 120.0 + round_)
-        args: list[object] = [HALF_LIFE, repr(FLOOR), 60_000]
+        args: list[object] = [HALF_LIFE, repr(FLOOR), 60_000, ""]
         for name, batch in batches.items():
             args += [name, pack(batch)]
         reply = await c._call("merge_timing", args, (key,))
@@ -207,7 +207,7 @@ async def test_merge_script_equals_the_python_merge(make_coordinator: MakeCoordi
             assert got[name] == pytest.approx(stored[name], rel=1e-12)
     assert 0 < await c.redis.pttl(key) <= 60_000
     with pytest.raises(Exception, match="not a timing record"):
-        await c._call("merge_timing", [HALF_LIFE, "4", 1000, "i0", "00"], (key,))
+        await c._call("merge_timing", [HALF_LIFE, "4", 1000, "", "i0", "00"], (key,))
 
 
 @pytest.mark.parametrize("backend", ["real"], indirect=True)
@@ -235,3 +235,29 @@ async def test_nodes_share_learned_timing_and_a_new_node_starts_warm(
     await b.sync_timing()
     res = await b.reserve(1000, 10)
     assert res.prefill_ms == 900 and b._cache.rows["e1"].timing == row.timing
+
+
+@pytest.mark.parametrize("backend", ["real"], indirect=True)  # fakeredis has no cmsgpack
+async def test_a_pool_larger_than_one_step_is_read_in_bounded_calls(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    a = await make_coordinator("na")
+    for start in range(0, 1_200, 400):
+        args: list[object] = [HALF_LIFE, repr(FLOOR), 60_000, ""]
+        for i in range(start, start + 400):
+            args += [f"i{i}", pack(prefill_record(0.8, 100.0, 3))]
+        await a._call("merge_timing", args, (a.keys.timing(),))
+    b = await make_coordinator("nb")
+    sizes: list[int] = []
+    call = b._call
+
+    async def counted(name: str, args: list[object], *rest: object) -> object:
+        reply = await call(name, args, *rest)  # type: ignore[arg-type]
+        if name == "merge_timing":
+            sizes.append(len(reply[1]) // 2)
+        return reply
+
+    b._call = counted  # type: ignore[method-assign]
+    await b.sync_timing()
+    assert len(b._cache.learned) == 1_200  # every record, from pages of the hash
+    assert len(sizes) >= 2 and max(sizes) < 1_200  # no call returned the whole pool
