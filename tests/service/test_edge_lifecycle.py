@@ -167,6 +167,37 @@ async def _serve(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
     )
 
 
+async def _serve_static(
+    engine_url: str, redis_url: str, pool: str, *flags: str
+) -> tuple[asyncio.subprocess.Process, int, int]:
+    """A node process serving one static instance: (process, port, control port)."""
+    port, control = free_port(), free_port()
+    proc = await _serve(
+        "--port",
+        str(port),
+        "--control-port",
+        str(control),
+        *flags,
+        "--instance",
+        engine_url,
+        env=_env(COORD_REDIS_URL=redis_url, COORD_POOL=pool),
+    )
+    return proc, port, control
+
+
+async def _wait_serving(session: aiohttp.ClientSession, control: int) -> None:
+    """Until the node's control plane reports its static instance alive."""
+
+    async def up() -> bool:
+        try:
+            async with session.get(f"http://127.0.0.1:{control}/healthz") as resp:
+                return resp.status == 200 and (await resp.json())["alive_instances"] == 1
+        except aiohttp.ClientError:
+            return False
+
+    await wait_for(up, 20, "the node to serve its static instance")
+
+
 async def test_serve_exits_non_zero_when_its_port_is_taken(redis_url: str, pool: str) -> None:
     engine = await FakeEngine(metrics_text="vllm:num_requests_running 1\n").start()
     taken = socket.socket()
@@ -204,30 +235,11 @@ async def test_serve_exits_non_zero_when_its_port_is_taken(redis_url: str, pool:
 
 async def test_sigterm_stops_within_the_drain_timeout(redis_url: str, pool: str) -> None:
     engine = await FakeEngine(chunks=3, gate_after=1).start()  # holds every stream open
-    port, control = free_port(), free_port()
-    proc = await _serve(
-        "--port",
-        str(port),
-        "--control-port",
-        str(control),
-        "--drain-timeout-s",
-        "1",
-        "--instance",
-        engine.url,
-        env=_env(COORD_REDIS_URL=redis_url, COORD_POOL=pool),
-    )
+    proc, port, control = await _serve_static(engine.url, redis_url, pool, "--drain-timeout-s", "1")
     session = aiohttp.ClientSession()
     client = Redis.from_url(redis_url)
     try:
-
-        async def up() -> bool:
-            try:
-                async with session.get(f"http://127.0.0.1:{control}/healthz") as resp:
-                    return resp.status == 200 and (await resp.json())["alive_instances"] == 1
-            except aiohttp.ClientError:
-                return False
-
-        await wait_for(up, 20, "the node to serve its static instance")
+        await _wait_serving(session, control)
         body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
         resp = await session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
         await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)  # a stream in flight
@@ -257,18 +269,7 @@ async def test_during_the_drain_delay_the_node_serves_but_is_not_ready(
     redis_url: str, pool: str
 ) -> None:
     engine = await FakeEngine(chunks=2).start()
-    port, control = free_port(), free_port()
-    proc = await _serve(
-        "--port",
-        str(port),
-        "--control-port",
-        str(control),
-        "--drain-delay-s",
-        "3",
-        "--instance",
-        engine.url,
-        env=_env(COORD_REDIS_URL=redis_url, COORD_POOL=pool),
-    )
+    proc, port, control = await _serve_static(engine.url, redis_url, pool, "--drain-delay-s", "3")
     session = aiohttp.ClientSession()
     client = Redis.from_url(redis_url)
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -278,14 +279,7 @@ async def test_during_the_drain_delay_the_node_serves_but_is_not_ready(
             async with session.get(f"http://127.0.0.1:{plane}/healthz") as resp:
                 return resp.status, (await resp.json())["status"]
 
-        async def up() -> bool:
-            try:
-                async with session.get(f"http://127.0.0.1:{control}/healthz") as resp:
-                    return resp.status == 200 and (await resp.json())["alive_instances"] == 1
-            except aiohttp.ClientError:
-                return False
-
-        await wait_for(up, 20, "the node to serve its static instance")
+        await _wait_serving(session, control)
         assert await health(port) == (200, "ok")
         proc.send_signal(signal.SIGTERM)
 
