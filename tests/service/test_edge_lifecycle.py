@@ -15,7 +15,9 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -167,10 +169,22 @@ async def _serve(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
     )
 
 
-async def _serve_static(
-    engine_url: str, redis_url: str, pool: str, *flags: str
-) -> tuple[asyncio.subprocess.Process, int, int]:
-    """A node process serving one static instance: (process, port, control port)."""
+@dataclass
+class StaticNode:
+    """A node process serving one static instance, with a client session and Redis."""
+
+    proc: asyncio.subprocess.Process
+    port: int
+    control: int
+    session: aiohttp.ClientSession
+    redis: Redis
+
+
+@asynccontextmanager
+async def _static_node(
+    engine: FakeEngine, redis_url: str, pool: str, *flags: str
+) -> AsyncIterator[StaticNode]:
+    """Start a node on `engine` and wait until it serves it; clean everything up after."""
     port, control = free_port(), free_port()
     proc = await _serve(
         "--port",
@@ -179,10 +193,21 @@ async def _serve_static(
         str(control),
         *flags,
         "--instance",
-        engine_url,
+        engine.url,
         env=_env(COORD_REDIS_URL=redis_url, COORD_POOL=pool),
     )
-    return proc, port, control
+    node = StaticNode(proc, port, control, aiohttp.ClientSession(), Redis.from_url(redis_url))
+    try:
+        await _wait_serving(node.session, control)
+        yield node
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await node.session.close()
+        await engine.stop()
+        await delete_pool(node.redis, "lc", pool)
+        await node.redis.aclose()
 
 
 async def _wait_serving(session: aiohttp.ClientSession, control: int) -> None:
@@ -235,71 +260,49 @@ async def test_serve_exits_non_zero_when_its_port_is_taken(redis_url: str, pool:
 
 async def test_sigterm_stops_within_the_drain_timeout(redis_url: str, pool: str) -> None:
     engine = await FakeEngine(chunks=3, gate_after=1).start()  # holds every stream open
-    proc, port, control = await _serve_static(engine.url, redis_url, pool, "--drain-timeout-s", "1")
-    session = aiohttp.ClientSession()
-    client = Redis.from_url(redis_url)
-    try:
-        await _wait_serving(session, control)
+    async with _static_node(engine, redis_url, pool, "--drain-timeout-s", "1") as node:
         body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
-        resp = await session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
+        resp = await node.session.post(
+            f"http://127.0.0.1:{node.port}/v1/chat/completions", json=body
+        )
         await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)  # a stream in flight
-        proc.send_signal(signal.SIGTERM)
+        node.proc.send_signal(signal.SIGTERM)
         try:
-            await asyncio.wait_for(proc.wait(), 20)  # drain 1 s + the node's own teardown
+            await asyncio.wait_for(node.proc.wait(), 20)  # drain 1 s + the node's own teardown
         except TimeoutError:
-            proc.kill()
             pytest.fail("the node did not stop within its drain timeout")
-        assert proc.returncode == 0
+        assert node.proc.returncode == 0
         resp.close()
         # The held stream's reservation was released on the way out, and the node left
         # no lease behind for peers to wait out.
-        assert await client.hlen(f"lc:{{{pool}}}:reservations") == 0
-        assert await client.zcard(f"lc:{{{pool}}}:nodes") == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        await session.close()
-        await engine.stop()
-        await delete_pool(client, "lc", pool)
-        await client.aclose()
+        assert await node.redis.hlen(f"lc:{{{pool}}}:reservations") == 0
+        assert await node.redis.zcard(f"lc:{{{pool}}}:nodes") == 0
 
 
 async def test_during_the_drain_delay_the_node_serves_but_is_not_ready(
     redis_url: str, pool: str
 ) -> None:
     engine = await FakeEngine(chunks=2).start()
-    proc, port, control = await _serve_static(engine.url, redis_url, pool, "--drain-delay-s", "3")
-    session = aiohttp.ClientSession()
-    client = Redis.from_url(redis_url)
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
-    try:
+    async with _static_node(engine, redis_url, pool, "--drain-delay-s", "3") as node:
 
         async def health(plane: int) -> tuple[int, str]:
-            async with session.get(f"http://127.0.0.1:{plane}/healthz") as resp:
+            async with node.session.get(f"http://127.0.0.1:{plane}/healthz") as resp:
                 return resp.status, (await resp.json())["status"]
 
-        await _wait_serving(session, control)
-        assert await health(port) == (200, "ok")
-        proc.send_signal(signal.SIGTERM)
+        assert await health(node.port) == (200, "ok")
+        node.proc.send_signal(signal.SIGTERM)
 
         async def draining() -> bool:
-            return await health(port) == (503, "draining")
+            return await health(node.port) == (503, "draining")
 
         await wait_for(draining, 2, "/healthz to answer 503 draining")
-        assert await health(control) == (503, "draining")
+        assert await health(node.control) == (503, "draining")
         # Not ready, yet still serving: a balancer that has not noticed loses nothing.
-        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as resp:
+        url = f"http://127.0.0.1:{node.port}/v1/chat/completions"
+        async with node.session.post(url, json=body) as resp:
             assert resp.status == 200
             assert (await resp.read()).endswith(b"data: [DONE]\n\n")
-        await asyncio.wait_for(proc.wait(), 20)
-        assert proc.returncode == 0
-        assert await client.zcard(f"lc:{{{pool}}}:nodes") == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-        await session.close()
-        await engine.stop()
-        await delete_pool(client, "lc", pool)
-        await client.aclose()
+        await asyncio.wait_for(node.proc.wait(), 20)
+        assert node.proc.returncode == 0
+        assert await node.redis.zcard(f"lc:{{{pool}}}:nodes") == 0
