@@ -1218,7 +1218,9 @@ class Coordinator:
             )
         if output_tokens and output_tokens > 0:
             self.observations.output("", output_tokens)  # pool-wide, for unnamed models
-            if model:
+            # Per model only for the model the serving instance registered: the body's
+            # `model` is the client's, and each new name would be a new field in Redis.
+            if model and row is not None and row.spec.model == model:
                 self.observations.output(model, output_tokens)
 
     def expected_output_tokens(self, model: str | None, max_tokens: int | None = None) -> int:

@@ -58,6 +58,11 @@ end
 
 local batches = {}
 for i = 5, #ARGV, 2 do  -- every batch is checked before anything is written
+  local field = ARGV[i]
+  local model = string.match(field, '^|output|(.*)$')
+  if not valid_id(field) and not (model and #model <= 256 and not string.find(model, '%c')) then
+    return fail('bad_arg', 'field must be an instance id or |output|<model>')
+  end
   local batch = from_hex(ARGV[i + 1])
   if not record_ok(batch) then
     return fail('bad_arg', 'batch of ' .. ARGV[i] .. ' is not a timing record')

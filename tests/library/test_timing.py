@@ -261,3 +261,26 @@ async def test_a_pool_larger_than_one_step_is_read_in_bounded_calls(
     await b.sync_timing()
     assert len(b._cache.learned) == 1_200  # every record, from pages of the hash
     assert len(sizes) >= 2 and max(sizes) < 1_200  # no call returned the whole pool
+
+
+@pytest.mark.parametrize("backend", ["real"], indirect=True)  # fakeredis has no cmsgpack
+async def test_only_a_registered_model_gets_its_own_output_length(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    c = await make_coordinator("n1")
+    await c.register_instance(InstanceSpec(id="e1", url="http://127.0.0.1:9001", model="m"))
+    await c.refresh()
+    for model in ("m", "made-up-by-a-client"):
+        res = await c.reserve(100, 10)
+        c.observe(res, output_tokens=7, model=model)
+        await c.release(res.rid)
+    await c.sync_timing()
+    fields = set(await c.redis.hkeys(c.keys.timing()))
+    # A client's model name is not a key space: it teaches the pool-wide length only.
+    assert {"|output|", "|output|m"} <= fields
+    assert "|output|made-up-by-a-client" not in fields
+    with pytest.raises(Exception, match="instance id or"):
+        batch = pack(empty_record(0, 1))
+        await c._call(
+            "merge_timing", [HALF_LIFE, "4", 1000, "", "\x01bad", batch], (c.keys.timing(),)
+        )
