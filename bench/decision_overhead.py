@@ -49,15 +49,16 @@ async def _node(url: str, pool: str, node: str, decisions: int, max_age: int) ->
         res = await c.reserve(512, 128)
         decide.append(time.perf_counter() - t0)
         live.append(res.rid)
-        await c.mark_first_token(res.rid)
+        c.first_token_soon(res.rid)
         if len(live) > 8:  # keep a steady state of live reservations per node
-            await c.release(live.pop(0))
+            c.release_soon(live.pop(0))
         if k % 2 == 0:
             t0 = time.perf_counter()
             await c.redis.ping()
             ping.append(time.perf_counter() - t0)
     for rid in live:
-        await c.release(rid)
+        c.release_soon(rid)
+    await c.flush_carried()
     await c.close()
     return {"decide": decide, "ping": ping}
 

@@ -199,12 +199,13 @@ async def _cycles(url: str, pool: str, nodes: int, cycles: int) -> dict[str, flo
         live: list[str] = []
         for _ in range(per_node):
             res = await c.reserve(512, 128)
-            await c.mark_first_token(res.rid)
+            c.first_token_soon(res.rid)
             live.append(res.rid)
             if len(live) > 8:  # a steady state of live reservations per node
-                await c.release(live.pop(0))
+                c.release_soon(live.pop(0))
         for rid in live:
-            await c.release(rid)
+            c.release_soon(rid)
+        await c.flush_carried()
 
     t0 = time.perf_counter()
     await asyncio.gather(*(run(c) for c in made))

@@ -8,7 +8,7 @@ import random
 import time
 import uuid
 import zlib
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any
@@ -167,6 +167,10 @@ class Coordinator:
         self._rng = random.Random(seed)
         self._local: dict[str, LocalReservation] = {}
         self._pending_releases: set[str] = set()
+        # first_token_soon/release_soon held for the next reserve: (op, rid, held),
+        # op 'f' or 'r'; `held` is the local reservation a release dropped.
+        self._carry: list[tuple[str, str, LocalReservation | None]] = []
+        self._carry_flush: asyncio.Task[None] | None = None
         # One decision at a time per node: concurrent decisions of one node would all
         # rank on the same view and pick the same instance (herding within a node).
         self._decide = asyncio.Lock()
@@ -239,7 +243,11 @@ class Coordinator:
 
     async def close(self) -> None:
         """Stop background tasks and close the Redis client (reservations stay until released)."""
+        await self.flush_carried()
         tasks = [*self._tasks, *([self._recovery] if self._recovery else [])]
+        if self._carry_flush is not None:
+            tasks.append(self._carry_flush)
+            self._carry_flush = None
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -431,7 +439,7 @@ class Coordinator:
             return True
         return False
 
-    def _apply(self, view: list[Any], issued_ver: int) -> bool:
+    def _apply(self, view: list[Any], issued_ver: int, carried: Sequence[Any] = ()) -> bool:
         """Merge a view; False (and a re-assert) when Redis lost the pool meanwhile.
 
         A new run_id means FLUSHDB, eviction or a failover to an empty replica: the
@@ -447,6 +455,7 @@ class Coordinator:
                     self.stats.pool_losses += 1
                 self._enter_degraded(f"redis lost the pool (run_id {self._cache.run_id} -> {run})")
             return False
+        self._apply_carried(carried)  # their changes precede the view's
         self._cache.apply_view(*view, issued_ver=issued_ver)
         return True
 
@@ -630,20 +639,30 @@ class Coordinator:
                 self._cache.view_token,
                 len(candidates),
             ]
-            for c in candidates:
-                row = self._cache.rows[c.id]
-                slack = self._affinity_slack(c.spec, ranked_as)
+            for c, (max_inflight, max_pending) in zip(
+                candidates, self._guard_bounds(candidates, ranked_as), strict=True
+            ):
                 args += [
                     c.id,
                     c.spec.prefill_ms(request.uncached_on(c.id)),
                     c.spec.decode_ms(expected),
-                    row.inflight + slack,
-                    row.pending_prefill + slack,
+                    max_inflight,
+                    max_pending,
                 ]
+            carried, self._carry = self._carry, []
+            args.append(len(carried))
+            for op, held_rid, _ in carried:
+                args += [op, held_rid]
             issued = self._cache.state_ver  # the version view_token named
-            reply = await self._call("reserve", args, (self._node_rids,))
+            try:
+                reply = await self._call("reserve", args, (self._node_rids,))
+            except BaseException:
+                self._carry[:0] = carried  # not known to have arrived: send them again
+                if carried:
+                    self._schedule_carry()
+                raise
             status = str(reply[0])
-            current = self._apply(reply[-1], issued)
+            current = self._apply(reply[-1], issued, reply[-2])
             if status in ("ok", "dup"):
                 self._leased = True
                 if force:
@@ -686,6 +705,26 @@ class Coordinator:
             return request
         cached = guarded_cached_tokens(request.cached_tokens, backlogs.get, floor, guard_ms)
         return replace(request, cached_tokens=cached)
+
+    def _guard_bounds(
+        self, candidates: Sequence[InstanceLoad], request: RequestShape
+    ) -> list[tuple[int, int]]:
+        """Per candidate, the most live and prefill-phase reservations it may have when
+        the reserve script looks and still be taken: what this node observed (plus
+        its affinity slack), raised to the least it observed on any candidate ranked
+        after it. A candidate that got busier is still the better choice while it is
+        no busier than the alternatives this node knows."""
+        bounds: list[tuple[int, int]] = []
+        floor_inflight = floor_pending = -1  # -1: no later candidate yet
+        for c in reversed(candidates):
+            row = self._cache.rows[c.id]
+            slack = self._affinity_slack(c.spec, request)
+            inflight, pending = row.inflight + slack, row.pending_prefill + slack
+            bounds.append((max(inflight, floor_inflight), max(pending, floor_pending)))
+            floor_inflight = inflight if floor_inflight < 0 else min(floor_inflight, inflight)
+            floor_pending = pending if floor_pending < 0 else min(floor_pending, pending)
+        bounds.reverse()
+        return bounds
 
     def _affinity_slack(self, spec: InstanceSpec, request: RequestShape) -> int:
         """Requests a candidate may gain before reserve passes it over: what its cache
@@ -857,28 +896,89 @@ class Coordinator:
 
     async def mark_first_token(self, rid: str) -> bool:
         """Move a reservation to decode; False when it was unknown or already there."""
+        return await self._send_first_token(rid, self._mark_locally(rid))
+
+    async def release(self, rid: str) -> bool:
+        """End a reservation; a second release (or an unknown rid) changes nothing."""
+        return await self._send_release(rid, self._release_locally(rid))
+
+    def first_token_soon(self, rid: str) -> None:
+        """mark_first_token without waiting: it rides on this node's next reserve, or
+        goes by itself after `carry_ms` (what the proxy calls)."""
+        self._hold("f", rid, self._mark_locally(rid))
+
+    def release_soon(self, rid: str) -> None:
+        """release without waiting: it rides on this node's next reserve, or goes by
+        itself after `carry_ms` (what the proxy calls)."""
+        self._hold("r", rid, self._release_locally(rid))
+
+    async def flush_carried(self) -> None:
+        """Send every held mark and release now, in one call."""
+        while self._carry:
+            held, self._carry = self._carry, []
+            args: list[Any] = [len(held)]
+            for op, rid, _ in held:
+                args += [op, rid]
+            try:
+                reply = await self._call("carry", args, (self._node_rids,))
+            except CoordinationUnavailableError:
+                for op, rid, res in held:  # as release() does when Redis is away
+                    if op == "r" and (res is None or res.in_redis):
+                        self._pending_releases.add(rid)
+                continue
+            except Exception:  # a refused call: these are not sent again
+                log.exception("sending %d held marks and releases failed", len(held))
+                continue
+            self._apply_carried(reply)
+
+    def _apply_carried(self, replies: Sequence[Any]) -> None:
+        """The changes of `state` carried transitions made, into the view."""
+        for k in range(0, len(replies), 4):
+            if int(replies[k + 1]) >= 0:
+                self._cache.apply_patch(replies[k + 1], replies[k + 2], replies[k + 3])
+
+    def _hold(self, op: str, rid: str, res: LocalReservation | None) -> None:
+        if op == "r" and self._degraded:
+            self._send_release_later(rid, res)
+            return
+        self._carry.append((op, rid, res))
+        self._schedule_carry()
+
+    def _schedule_carry(self) -> None:
+        if self._carry_flush is None or self._carry_flush.done():
+            self._carry_flush = asyncio.create_task(
+                self._flush_carried_after(self.settings.carry_ms / 1000),
+                name="coordinator-carry",
+            )
+
+    async def _flush_carried_after(self, delay_s: float) -> None:
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        await self.flush_carried()
+
+    def _mark_locally(self, rid: str) -> LocalReservation | None:
+        if not isinstance(rid, str) or not ID_RE.fullmatch(rid):
+            raise InvalidArgumentError(f"rid {rid!r} is not a valid id")
         res = self._local.get(rid)
         if res is not None:
             res.phase = "decode"
+        return res
+
+    def _release_locally(self, rid: str) -> LocalReservation | None:
         if not isinstance(rid, str) or not ID_RE.fullmatch(rid):
             raise InvalidArgumentError(f"rid {rid!r} is not a valid id")
+        return self._local.pop(rid, None)
+
+    async def _send_first_token(self, rid: str, res: LocalReservation | None) -> bool:
         try:
             reply = await self._call("mark_first_token", [rid])
         except CoordinationUnavailableError:
             return res is not None
         return self._applied(reply)
 
-    async def release(self, rid: str) -> bool:
-        """End a reservation; a second release (or an unknown rid) changes nothing."""
-        if not isinstance(rid, str) or not ID_RE.fullmatch(rid):
-            raise InvalidArgumentError(f"rid {rid!r} is not a valid id")
-        res = self._local.pop(rid, None)
+    async def _send_release(self, rid: str, res: LocalReservation | None) -> bool:
         if self._degraded:
-            # Even a reservation made while degraded: a re-assert may be restoring it
-            # right now, and a release of an unknown rid is a no-op anyway.
-            if res is not None:
-                self._pending_releases.add(rid)
-            return res is not None
+            return self._send_release_later(rid, res)
         try:
             reply = await self._call("release", [rid], (self._node_rids,))
         except CoordinationUnavailableError:
@@ -886,6 +986,14 @@ class Coordinator:
                 self._pending_releases.add(rid)
             return res is not None
         return self._applied(reply)
+
+    def _send_release_later(self, rid: str, res: LocalReservation | None) -> bool:
+        """Degraded: the re-assert releases it (even a reservation made while degraded:
+        a re-assert may be restoring it right now, and releasing an unknown rid is a
+        no-op anyway)."""
+        if res is not None:
+            self._pending_releases.add(rid)
+        return res is not None
 
     def _applied(self, reply: list[Any]) -> bool:
         """Whether a transition happened; its change of `state` goes into the view."""
@@ -948,6 +1056,7 @@ class Coordinator:
         """
         self._local.clear()
         self._pending_releases.clear()
+        self._carry.clear()  # what they would release, the reap below releases
         with suppress(CoordinationUnavailableError):
             return await self.reap_node(self.node_id, force=True)
         return 0

@@ -105,6 +105,9 @@ class Settings:
     # never herding.
     snapshot_max_age_ms: int = 1_000  # 0 = read the pool state before every decision
     live_refresh_ms: int = 2_000  # liveness and hints are re-read this often (<= ttl/4)
+    # first_token_soon/release_soon (the proxy's) ride on the node's next reserve, or
+    # go in one call after this long: one Redis call per request instead of three.
+    carry_ms: int = 5  # 0 = send each at once
     strategy: str = "least_load"  # default selection strategy
     weights: Weights = field(default_factory=lambda: Weights.preset(DEFAULT_WEIGHTS))
     # Prefix-cache affinity (coordinator/prefix.py, docs/security.md).
@@ -142,6 +145,14 @@ class Settings:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
         if self.snapshot_max_age_ms < 0:
             raise InvalidArgumentError("snapshot_max_age_ms must be >= 0")
+        if (
+            isinstance(self.carry_ms, bool)
+            or not isinstance(self.carry_ms, int)
+            or not (0 <= self.carry_ms <= 1_000)
+        ):
+            raise InvalidArgumentError(
+                f"carry_ms must be an integer in 0..1000, got {self.carry_ms!r}"
+            )
         if not 1 <= self.top_k <= 64:
             raise InvalidArgumentError(f"top_k must be in 1..64, got {self.top_k}")
         if not 0 <= self.reserve_retries <= 16:

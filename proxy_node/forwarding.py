@@ -290,27 +290,26 @@ class Exchange:
             if self._mark_handle is not None:
                 self._mark_handle.cancel()
                 self._mark_handle = None
-            await self._release(res.rid)
+            self._release(res.rid)
 
-    async def _release(self, rid: str) -> None:
-        # Shielded: a handler cancelled at shutdown must still give its reservation back.
-        await asyncio.shield(self.state.spawn(self._release_now(rid)))
-
-    async def _release_now(self, rid: str) -> None:
+    def _release(self, rid: str) -> None:
+        # Held for this node's next reserve (Coordinator.release_soon): nothing here
+        # waits for Redis, and a handler cancelled at shutdown still gives it back.
         try:
-            await self.coordinator.release(rid)
+            self.coordinator.release_soon(rid)
         except Exception:
             log.exception("releasing %s failed", rid)
 
-    async def _mark_first_token(self, rid: str) -> None:
+    def _mark_first_token(self, rid: str) -> None:
+        # Held like the release: the first token goes to the client without waiting.
         try:
-            await self.coordinator.mark_first_token(rid)
+            self.coordinator.first_token_soon(rid)
         except Exception:
             log.exception("marking the first token of %s failed", rid)
 
     def _mark_at_predicted_time(self, rid: str) -> None:
         self._mark_handle = None
-        self.state.spawn(self._mark_first_token(rid))
+        self._mark_first_token(rid)
 
     def _report(self, res: Reservation, ok: bool, reason: str = "") -> None:
         # Spawned: a client hanging up must not cancel the report.
@@ -431,7 +430,7 @@ class Exchange:
                         self.metrics.observe_prediction_error(
                             res.instance_id, res.predicted_ttft_ms, observed_ms
                         )
-                    await self._mark_first_token(res.rid)
+                    self._mark_first_token(res.rid)
             if counter is not None:
                 counter.feed(chunk)
             idle = asyncio.timeout(idle_s)

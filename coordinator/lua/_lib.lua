@@ -1,4 +1,5 @@
--- Shared prelude, prepended to every script by coordinator/scripts.py.
+-- Shared prelude: coordinator/scripts.py prepends to each script the definitions
+-- below that it uses (directly or through another one).
 -- KEYS[1..21] are the pool keys in coordinator/keys.py COLUMNS order; every script
 -- receives all of them, plus script-specific keys from KEYS[22] on.
 -- Times are the Redis server clock in ms. Errors are "LCERR <kind> <detail>".
@@ -44,6 +45,15 @@ end
 local function valid_id(value)
   return type(value) == 'string' and #value > 0 and #value <= 128
     and string.find(value, '^[%w][%w%.:_%-]*$') ~= nil
+end
+
+-- Whether `value` is '' or an SCAN cursor Redis accepts: decimal, below 2^64.
+local function valid_cursor(value)
+  if value == '' then return true end
+  if type(value) ~= 'string' or #value > 20 or not string.find(value, '^%d+$') then
+    return false
+  end
+  return #value < 20 or value <= '18446744073709551615'
 end
 
 local function num(key, id)
@@ -345,4 +355,81 @@ local function sweep(budget)
     end
   end
   return {deleted, redis.call('SCARD', K_VOIDS)}
+end
+
+-- Move reservation `rid` from prefill to decode: its first token came now.
+-- Returns 'ok' and this change's state patch (nil when no counter moved: the
+-- instance restarted or left since), or 'noop' (unknown rid, or already in decode).
+local function first_token(rid, now)
+  local raw = redis.call('HGET', K_RES, rid)
+  if not raw then return 'noop' end
+  local rec = cjson.decode(raw)
+  if rec.phase ~= 'prefill' then return 'noop' end
+  local id = rec.instance
+  redis.call('ZREM', K_BY_INSTANCE, lex_member(id, rec.epoch, rec.end_at_ms, rid))
+  rec.phase = 'decode'
+  rec.first_token_at_ms = now
+  rec.end_at_ms = now + rec.decode_ms
+  redis.call('HSET', K_RES, rid, encode_record(rec))
+  redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, rec.epoch, rec.end_at_ms, rid))
+  if tonumber(redis.call('HGET', K_EPOCH, id) or '-1') ~= rec.epoch then return 'ok' end
+  local pending = add(K_PENDING, id, -1)
+  local decode = redis.call('HINCRBY', K_DECODE, id, 1)
+  local free = rechain_after_first_token(id, now, add(K_PENDING_MS, id, 0 - rec.prefill_ms))
+  return 'ok', publish_state(id, rec.epoch, pending, decode, free)
+end
+
+-- End reservation `rid` of the node whose reservation set is `rids_key`. Returns
+-- 'ok' and this change's state patch (nil when no counter moved), or 'noop' (the rid
+-- is unknown: released or reaped).
+local function release_one(rid, rids_key, now)
+  redis.call('SREM', rids_key, rid)
+  local raw = redis.call('HGET', K_RES, rid)
+  if not raw then return 'noop' end
+  return 'ok', drop_reservation(rid, cjson.decode(raw), now)
+end
+
+-- A transition's reply: {status, state_ver, slot, record}, or {status} alone when no
+-- counter moved.
+local function transition_reply(status, patch)
+  if not patch then return {status} end
+  return {status, patch[1], patch[2], patch[3]}
+end
+
+-- The number of transitions in ARGV[from ..] (ARGV[from] = m, then m pairs
+-- {'f' (first token) | 'r' (release), rid}), or nil and an error reply.
+local function carried_count(from)
+  local m = int_arg(ARGV[from], 10000)
+  if m == nil or #ARGV ~= from + 2 * m then
+    return nil, fail('bad_arg', 'transitions: expected m >= 0 pairs of {op, rid}')
+  end
+  for i = 1, m do
+    local op, rid = ARGV[from + 2 * i - 1], ARGV[from + 2 * i]
+    if (op ~= 'f' and op ~= 'r') or not valid_id(rid) then
+      return nil, fail('bad_arg', 'transition ' .. i)
+    end
+  end
+  return m
+end
+
+-- Apply the m transitions carried_count checked, in order. Returns their replies, one
+-- flat list of 4 items each, {status, state_ver, slot, record} (state_ver -1 when no
+-- counter moved), and how many changes of `state` they made.
+local function apply_carried(from, m, rids_key, now)
+  local out, bumps = {}, 0
+  for i = 1, m do
+    local op, rid = ARGV[from + 2 * i - 1], ARGV[from + 2 * i]
+    local status, patch
+    if op == 'f' then
+      status, patch = first_token(rid, now)
+    else
+      status, patch = release_one(rid, rids_key, now)
+    end
+    if patch then bumps = bumps + 1 else patch = {-1, -1, ''} end
+    table.insert(out, status)
+    table.insert(out, patch[1])
+    table.insert(out, patch[2])
+    table.insert(out, patch[3])
+  end
+  return out, bumps
 end

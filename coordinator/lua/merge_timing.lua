@@ -24,7 +24,7 @@ if not floor_w or floor_w ~= floor_w or floor_w < 0 then
 end
 if not max_age or max_age < 1 then return fail('bad_arg', 'max age must be an integer >= 1') end
 local cursor = ARGV[4]
-if cursor == nil or (cursor ~= '' and not string.match(cursor, '^%d+$')) then
+if cursor == nil or not valid_cursor(cursor) then
   return fail('bad_arg', 'cursor must be empty or an HSCAN cursor')
 end
 if #ARGV % 2 ~= 0 then return fail('bad_arg', 'batches come as field, record pairs') end

@@ -33,7 +33,7 @@ local function entry(out, id)
 end
 local out = {}
 local cursor = ARGV[2] or ''
-if cursor ~= '' and (#cursor > 20 or not string.find(cursor, '^%d+$')) then
+if not valid_cursor(cursor) then
   return fail('bad_arg', 'cursor must be empty or an HSCAN cursor')
 end
 if cursor == '' then

@@ -7,10 +7,4 @@
 --     when its view is at state_ver - 1); {'ok'} alone when no counter moved
 --   noop: the rid is unknown (released or reaped)
 if not valid_id(ARGV[1]) then return fail('bad_arg', 'rid') end
-local now = now_ms()
-redis.call('SREM', KEYS[22], ARGV[1])
-local raw = redis.call('HGET', K_RES, ARGV[1])
-if not raw then return {'noop'} end
-local patch = drop_reservation(ARGV[1], cjson.decode(raw), now)
-if not patch then return {'ok'} end
-return {'ok', patch[1], patch[2], patch[3]}
+return transition_reply(release_one(ARGV[1], KEYS[22], now_ms()))

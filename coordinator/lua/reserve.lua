@@ -14,12 +14,25 @@
 -- ARGV[9] = the caller's view: '<run_id>:<state_ver>' of the `state` it holds, or ''
 -- ARGV[10] = n, the number of candidates; then n groups of
 --   {instance id, prefill_ms (ms, <= 86400000), decode_ms (ms, <= 86400000),
---    observed inflight, observed pending_prefill}
--- returns {'ok'|'dup', instance, epoch, predicted_ttft_ms, prefill_ms, decode_ms, view}
---       | {'nolease', view}          ARGV[8] = 0 and the node's lease is gone
---       | {'stale', view}            every candidate got busier since it was observed
---       | {'full', next_slot_in_ms, view}  every alive candidate is at max_slots
---       | {'none', view}             no candidate is registered and alive
+--    max inflight, max pending_prefill}: the most live reservations (both phases) and
+--   prefill-phase reservations the candidate may have now and still be taken. The
+--   caller sends what it observed, raised to the least it observed on any candidate
+--   ranked after this one (so a candidate is still taken while it is no busier than
+--   the alternatives the caller knows: a stale view costs no retry as long as its
+--   order holds). A group is checked only when the script looks at its candidate.
+-- ARGV[11 + 5n] (optional) = m, then m pairs {'f' | 'r', rid}: first-token marks and
+--   releases of this node's reservations that ride along with this call (the node
+--   holds them back a few ms for its next reserve, so a request costs one call, not
+--   three). They are applied first, in order, whatever this call's status.
+-- returns {'ok'|'dup', instance, epoch, predicted_ttft_ms, prefill_ms, decode_ms,
+--          carried, view}
+--       | {'nolease', carried, view}  ARGV[8] = 0 and the node's lease is gone
+--       | {'stale', carried, view}    every candidate got busier since it was observed
+--       | {'full', next_slot_in_ms, carried, view}  every alive candidate is at max_slots
+--       | {'none', carried, view}     no candidate is registered and alive
+--   carried = the carried transitions' replies, 4 items each: {status ('ok'|'noop'),
+--     state_ver, slot, record} (mark_first_token's and release's reply; state_ver -1
+--     when no counter moved)
 --   view = {run_id, spec_gen, now_ms, state|false, false, state_ver, slot, record}
 --   (read_state's reply without liveness, plus one record):
 --   - 'ok': state is false; `record` is the claimed instance's new record at `slot`,
@@ -42,86 +55,97 @@ if ttl == nil then return fail('bad_arg', 'ttl_ms') end
 local lease_ms = int_arg(ARGV[8], 86400000)
 if lease_ms == nil then return fail('bad_arg', 'lease_ms') end
 local n = int_arg(ARGV[10], 64)
-if n == nil or n < 1 or #ARGV ~= 10 + 5 * n then
+if n == nil or n < 1 or #ARGV < 10 + 5 * n then
   return fail('bad_arg', 'candidates: expected n >= 1 groups of 5')
 end
-local candidates = {}
-for i = 1, n do
+-- Candidate i's group, or nil when one of its numbers is not valid. The id needs no
+-- pattern check: one that is not registered is never alive, so never chosen or written.
+local function candidate(i)
   local base = 10 + 5 * (i - 1)
   local c = {id = ARGV[base + 1],
     prefill_ms = int_arg(ARGV[base + 2], MAX_PREDICTED_MS),
     decode_ms = int_arg(ARGV[base + 3], MAX_PREDICTED_MS),
-    inflight = int_arg(ARGV[base + 4]), pending = int_arg(ARGV[base + 5])}
-  -- The id needs no pattern check: one that is not registered is never alive, so
-  -- never chosen or written.
-  if c.prefill_ms == nil or c.decode_ms == nil or c.inflight == nil or c.pending == nil then
-    return fail('bad_arg', 'candidate ' .. i)
+    max_inflight = int_arg(ARGV[base + 4]), max_pending = int_arg(ARGV[base + 5])}
+  if c.prefill_ms == nil or c.decode_ms == nil or c.max_inflight == nil
+    or c.max_pending == nil then
+    return nil
   end
-  candidates[i] = c
+  return c
 end
 
+local m, err = 0, nil
+if #ARGV > 10 + 5 * n then
+  m, err = carried_count(11 + 5 * n)
+  if m == nil then return err end
+end
+
+-- Decide first, writing nothing (so that a refused call writes nothing).
 local now = now_ms()
+-- Reservations are written only under a live lease: the reaper finds a node through
+-- its lease, so a reservation without one would never go away.
+local leased = lease_held(node, now)
+local existing, chosen = nil, nil
+local saw_alive, saw_full, min_slot_ms = false, false, nil
+-- A retry elsewhere reserves again under the rid its carried release ends.
+local rid_released = false
+for i = 1, m do
+  local at = 11 + 5 * n + 2 * i
+  if ARGV[at - 1] == 'r' and ARGV[at] == rid then rid_released = true end
+end
+if (leased or lease_ms > 0) and not rid_released then
+  existing = redis.call('HGET', K_RES, rid)
+end
+if (leased or lease_ms > 0) and not existing then
+  -- Unforced: the first alive candidate no busier than its bounds. Forced (the last
+  -- try): the alive candidate with the fewest live reservations now, first on ties.
+  local chosen_inflight = nil
+  for i = 1, n do
+    local c = candidate(i)
+    if c == nil then return fail('bad_arg', 'candidate ' .. i) end
+    local last_seen = redis.call('HGET', K_LAST_SEEN, c.id)
+    if last_seen and now - tonumber(last_seen) <= ttl then
+      saw_alive = true
+      local inflight = num(K_INFLIGHT, c.id)
+      local max_slots = enforce and num(K_MAX_SLOTS, c.id) or 0
+      if max_slots > 0 and inflight >= max_slots then
+        saw_full = true
+        local e = earliest_end(c.id, num(K_EPOCH, c.id))
+        local wait = e > 0 and math.max(0, e - now) or 0
+        if min_slot_ms == nil or wait < min_slot_ms then min_slot_ms = wait end
+      elseif force then
+        if chosen == nil or inflight < chosen_inflight then chosen, chosen_inflight = c, inflight end
+      elseif inflight <= c.max_inflight and num(K_PENDING, c.id) <= c.max_pending then
+        chosen = c
+        break
+      end
+    end
+  end
+end
+
+-- Then write: the carried transitions first, whatever the status.
+local carried, bumps = apply_carried(11 + 5 * n, m, KEYS[22], now)
 local run = run_id(now)
 local spec_gen = num(K_META, 'spec_gen')
 local function view(patch)
   if patch then return {run, spec_gen, now, false, false, patch[1], patch[2], patch[3]} end
   local state_ver = num(K_META, 'state_ver')
-  if ARGV[9] == run .. ':' .. state_ver then  -- the caller holds this state already
+  -- The caller holds this state already (it applies the carried changes itself).
+  if ARGV[9] == run .. ':' .. (state_ver - bumps) then
     return {run, spec_gen, now, false, false, state_ver, -1, ''}
   end
   return {run, spec_gen, now, redis.call('GET', K_STATE) or '', false, state_ver, -1, ''}
 end
--- Reservations are written only under a live lease: the reaper finds a node through
--- its lease, so a reservation without one would never go away.
-local leased = lease_held(node, now)
-if not leased and lease_ms == 0 then return {'nolease', view()} end
-local existing = redis.call('HGET', K_RES, rid)
+if not leased and lease_ms == 0 then return {'nolease', carried, view()} end
 if existing then
   local rec = cjson.decode(existing)
   return {'dup', rec.instance, rec.epoch, rec.predicted_ttft_ms, rec.prefill_ms, rec.decode_ms,
-    view()}
+    carried, view()}
 end
-
--- Unforced: the first alive candidate that is still no busier than the caller saw it,
--- or than the caller saw any candidate ranked after it (so it is still at least as
--- good as the alternatives the caller knows: a stale view costs no retry as long as
--- its order holds). Forced (the last try): the alive candidate with the fewest live
--- reservations now, first on ties.
-local floor_inflight, floor_pending = math.huge, math.huge
-for i = n, 1, -1 do
-  local c = candidates[i]
-  c.max_inflight = math.max(c.inflight, floor_inflight == math.huge and 0 or floor_inflight)
-  c.max_pending = math.max(c.pending, floor_pending == math.huge and 0 or floor_pending)
-  floor_inflight = math.min(floor_inflight, c.inflight)
-  floor_pending = math.min(floor_pending, c.pending)
-end
-local saw_alive, saw_full, min_slot_ms = false, false, nil
-local chosen, chosen_inflight = nil, nil
-for _, c in ipairs(candidates) do
-  local last_seen = redis.call('HGET', K_LAST_SEEN, c.id)
-  if last_seen and now - tonumber(last_seen) <= ttl then
-    saw_alive = true
-    local inflight = num(K_INFLIGHT, c.id)
-    local max_slots = enforce and num(K_MAX_SLOTS, c.id) or 0
-    if max_slots > 0 and inflight >= max_slots then
-      saw_full = true
-      local e = earliest_end(c.id, num(K_EPOCH, c.id))
-      local wait = e > 0 and math.max(0, e - now) or 0
-      if min_slot_ms == nil or wait < min_slot_ms then min_slot_ms = wait end
-    elseif force then
-      if chosen == nil or inflight < chosen_inflight then chosen, chosen_inflight = c, inflight end
-    elseif inflight <= c.max_inflight and num(K_PENDING, c.id) <= c.max_pending then
-      chosen = c
-      break
-    end
-  end
-end
-
 if not chosen then
   local d = view()
-  if saw_full then return {'full', min_slot_ms or 0, d} end
-  if saw_alive then return {'stale', d} end
-  return {'none', d}
+  if saw_full then return {'full', min_slot_ms or 0, carried, d} end
+  if saw_alive then return {'stale', carried, d} end
+  return {'none', carried, d}
 end
 
 if not leased then redis.call('ZADD', K_NODES, now + lease_ms, node) end
@@ -143,4 +167,4 @@ redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, epoch, end_at, rid))
 redis.call('SADD', KEYS[22], rid)
 -- inflight counts both phases: the rest of it is the decode count.
 local patch = publish_state(id, epoch, pending, inflight - pending, first_token_at)
-return {'ok', id, epoch, ttft, chosen.prefill_ms, chosen.decode_ms, view(patch)}
+return {'ok', id, epoch, ttft, chosen.prefill_ms, chosen.decode_ms, carried, view(patch)}

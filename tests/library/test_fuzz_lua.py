@@ -39,6 +39,7 @@ from coordinator.errors import (
     from_response_error,
 )
 from coordinator.keys import ID_RE
+from coordinator.packed import as_text
 from coordinator.scripts import SCRIPT_NAMES
 from coordinator.timing import add_sample, empty_record, pack
 from tests.helpers import assert_counters_match_reservations, delete_pool
@@ -94,6 +95,11 @@ def spec_json(instance_id: str) -> str:
     """A valid stored spec for an id (what InstanceSpec.to_json writes)."""
     return InstanceSpec(id=instance_id, url="http://127.0.0.1:9", decode_ms_per_token=1.0).to_json()
 
+
+# Carried first-token marks and releases: m, then m pairs {op, rid} (lua/carry.lua).
+transitions = st.lists(st.tuples(st.sampled_from(["f", "r"]), rids), max_size=3).map(
+    lambda pairs: [str(len(pairs)), *(x for pair in pairs for x in pair)]
+)
 
 # Per script: the ARGV positions, each a strategy of valid values (see each header).
 LAYOUTS: dict[str, list[Any]] = {
@@ -199,7 +205,11 @@ def calls(draw: st.DrawFn, name: str) -> Call:
         for _ in range(n):
             candidate = draw(st.sampled_from(INSTANCES) | ids)
             args += [candidate, draw(ms), draw(ms), draw(counts), draw(counts)]
+        if draw(st.booleans()):
+            args += draw(transitions)
         return draw(mutate(name, args))
+    if name == "carry":
+        return draw(mutate(name, draw(transitions)))
     args = [draw(position) for position in LAYOUTS[name]]
     if name == "record_prefix":
         args += draw(st.lists(block_hash, max_size=5))
@@ -278,7 +288,7 @@ def extra_keys(c: Coordinator, call: Call) -> list[str]:
     if call.name == "reap_node":
         node = call.args[0] if call.args and isinstance(call.args[0], str) else NODE
         return [c.keys.node_rids(node if ID_RE.match(node) else NODE)]
-    if call.name in ("reserve", "release", "restore"):
+    if call.name in ("reserve", "release", "restore", "carry"):
         return [c.keys.node_rids(NODE)]
     if call.name in ("record_outcome", "read_outliers"):
         return [c.keys.outliers()]
@@ -296,6 +306,10 @@ def changed_nothing(name: str, reply: Any) -> bool:
     if name in ("read_state", "read_specs", "read_outliers"):
         return True
     status = reply[0] if isinstance(reply, list) and reply else None
+    if name == "reserve" and any(as_text(s) == "ok" for s in reply[-2][::4]):
+        return False  # a carried transition took place, whatever the reservation did
+    if name == "carry":
+        return all(as_text(s) == "noop" for s in reply[::4])
     return (name, status) in {
         ("mark_first_token", "noop"),
         ("release", "noop"),
@@ -364,9 +378,11 @@ BASE_CALLS: dict[str, list[str]] = {
     "reserve": [
         *("r-new", NODE, "100", "10", "1", "1", "600000", "0", "", "1"),
         *("i0", "15", "20", "0", "0"),
+        *("1", "f", PREFILL_RID),  # one carried first-token mark
     ],
     "mark_first_token": [PREFILL_RID],
     "release": [PREFILL_RID],
+    "carry": ["2", "f", PREFILL_RID, "r", PREFILL_RID],
     "register": ["i0", spec_json("i0"), "0", "0"],
     "heartbeat": ["i0", "1.5", "", "2"],
     "unregister": ["i1"],
@@ -379,7 +395,10 @@ BASE_CALLS: dict[str, list[str]] = {
     "record_prefix": ["i0", "1000", "8", "1", "0a1b", "ff00"],
     "merge_timing": ["10000", "4.0", "86400000", "0", "i0", pack(_timing_batch(1))],
 }
-SWEEP_VALUES = ["-0", "-0.0", "-1", "0x10", " 5", "1e3", "1.5", "nan", "inf", "", "{", "x" * 129]
+SWEEP_VALUES = [
+    *("-0", "-0.0", "-1", "0x10", " 5", "1e3", "1.5", "nan", "inf", "", "{", "x" * 129),
+    "18446744073709551616",  # 2^64: digits only, yet no SCAN cursor
+]
 
 
 @pytest.mark.parametrize("name", SCRIPT_NAMES)

@@ -373,6 +373,11 @@ async def test_health_and_metrics_on_both_planes(harness: Harness) -> None:
     node = await node_with(harness, engine, timing=True)
     async with await post(harness, node, CHAT) as resp:
         assert resp.status == 200
+
+    async def released() -> bool:  # the release rides on a later call (carry_ms)
+        return await metric(harness, node.url, "proxy_instance_inflight", instance="e0") == 0
+
+    await wait_for(released, what="the release to reach the node's view")
     for url in (node.url, node.control_url):
         async with harness.http.get(url + "/healthz") as resp:
             health = await resp.json()
