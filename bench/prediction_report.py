@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.docs import add_write_docs, write_section
 from bench.live import LiveConfig, markdown, run_live
-from bench.sim.simulator import SimConfig, simulate
+from bench.sim.simulator import SimConfig, Simulation, TailReport, simulate
 from bench.sim.synthetic import load_requests
 from bench.sim.traces import scale_to_utilization
 from coordinator.settings import DEFAULT_WEIGHTS, Weights
@@ -266,6 +266,20 @@ def drift_section() -> str:
     )
 
 
+def _by_speed(tail: TailReport) -> str:
+    return " / ".join(f"{n} on {speed:g}x" for speed, n in tail.by_speed.items())
+
+
+def _tail_text(tail: TailReport) -> str:
+    """Where least_load's slowest 1% went and what the score predicted their instance with."""
+    sources = ", ".join(f"{src} {n}" for src, n in sorted(tail.sources.items()))
+    return (
+        f"Its slowest 1% ({tail.requests} requests): {_by_speed(tail)}; the score had "
+        f"predicted their instance's prefill at {tail.predicted_over_true:.2f}x its true "
+        f"ms/token (median; sources {sources})."
+    )
+
+
 def sim_tables(traces: list[Path]) -> str:
     """Seed vs default vs round robin across utilizations; the mixed fleet vs the oracle."""
     parts = [
@@ -273,6 +287,14 @@ def sim_tables(traces: list[Path]) -> str:
         f"The first {SIM_LIMIT} requests of each trace, prompts cut to {PROMPT_CAP} and "
         f"outputs to {OUTPUT_CAP} tokens, 8 instances, 3 nodes, expected output = the true "
         "one (as with `max_tokens`). TTFT p99 / wait p99 in ms.",
+        "On the mixed fleet only wait-free requests teach prefill, so under load a slow "
+        "instance collects its samples slowly. Until commit 240e9e8 an instance below 8 "
+        "samples predicted with the pool's average, the fast instances' speed: on the code "
+        "trace the 0.5x instances had 5-6 samples when the burst at 69 s came, were "
+        "predicted at 0.065 ms/token against a true 0.16, and took all 40 slowest "
+        "requests (TTFT p99 21,271 ms = 1.91x the oracle). Now such an instance is "
+        "`scaled`: its prior times the speed ratio its own samples show (README, "
+        "Prediction sources).",
     ]
     for trace in traces:
         reqs = [
@@ -309,9 +331,10 @@ def sim_tables(traces: list[Path]) -> str:
             weights=Weights.preset(DEFAULT_WEIGHTS),
         )
         scaled = scale_to_utilization(reqs, mixed.timing, mixed.capacity, 0.8)
-        res = {
-            s: simulate(scaled, s, mixed) for s in ("least_load", "local_least_inflight", "oracle")
-        }
+        sims = {s: Simulation(scaled, s, mixed) for s in ("least_load", "local_least_inflight")}
+        sims["oracle"] = Simulation(scaled, "oracle", mixed)
+        res = {s: sim.run() for s, sim in sims.items()}
+        tail, oracle_tail = sims["least_load"].tail(), sims["oracle"].tail()
         ll, loc, orc = res["least_load"], res["local_least_inflight"], res["oracle"]
         shared = simulate(scaled, "least_load", replace(mixed, registered_timing="shared"))
         parts += [
@@ -322,7 +345,8 @@ def sim_tables(traces: list[Path]) -> str:
             f"**{ll.ttft_p99_ms / orc.ttft_p99_ms:.2f}x** the oracle's ({orc.ttft_p99_ms:,.0f}; "
             f"target ≤ 1.2) and **{ll.ttft_p99_ms / loc.ttft_p99_ms:.2f}x** per-node "
             f"least-inflight's ({loc.ttft_p99_ms:,.0f}; target ≤ 0.7). Registered with one "
-            f"wrong shared timing instead: {shared.ttft_p99_ms:,.0f} ms.",
+            f"wrong shared timing instead: {shared.ttft_p99_ms:,.0f} ms. {_tail_text(tail)} "
+            f"The oracle's slowest 1%: {_by_speed(oracle_tail)}.",
         ]
     return "\n\n".join(parts)
 

@@ -19,9 +19,16 @@ and still moves quickly once traffic returns). A batch of a newer epoch restarts
 the record; one of an older epoch is dropped.
 
 `TimingPolicy.resolve` turns a spec and its record into the timing that predicts:
-configured values are pinned (`pinned=True`) or else kept until `min_samples`
-learned samples exist; an instance with neither uses the pool's learned average
-(`pool`), and an empty pool the documented defaults (`default`).
+configured values are pinned (`pinned=True`) or else a prior that `min_samples`
+learned samples replace; an instance with neither uses the pool's learned average
+(`pool`), and an empty pool the documented defaults (`default`). With 1 to
+`min_samples - 1` samples of its own (too few to fit a line), the instance is
+`scaled`: that prior's line times the speed ratio its own samples show, shrunk
+towards 1 by `prior_weight` pseudo-samples. The prior alone is not that instance's
+speed: on a mixed fleet the fast instances learn first (they are idle more often,
+and only wait-free requests teach prefill), so a slow instance predicted with the
+pool's average (or one shared configured timing) looks fast and is overloaded for
+as long as it stays unlearned, which under load is long.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ DEFAULT_OUTPUT_TOKENS = 256
 # within it, a sample moves the fit at most CLIP times the prediction either way.
 REJECT = 8.0
 CLIP = 3.0
-SOURCES = ("configured", "learned", "pool", "default")
+SOURCES = ("configured", "learned", "scaled", "pool", "default")
 
 
 def empty_record(epoch: int, groups: int, at_ms: int = 0) -> list[float]:
@@ -167,11 +174,28 @@ def screened(sample: float, predicted: float | None) -> float | None:
     return min(max(sample, predicted / CLIP), predicted * CLIP)
 
 
+def own_ratio(
+    record: list[float] | None, group: int, overhead: float, per_x: float, prior_weight: float
+) -> float | None:
+    """Observed / predicted by the line `overhead + per_x * x` over a group's samples,
+    shrunk towards 1 by `prior_weight` pseudo-samples and bounded to [1/REJECT, REJECT];
+    None without samples or without a positive prediction."""
+    if record is None:
+        return None
+    g = 2 + GROUP * group
+    n, w, sx, sy = record[g : g + 4]
+    predicted = overhead * w + per_x * sx  # the line summed over the (weighted) samples
+    if n < 1 or w <= 0 or predicted <= 0:
+        return None
+    ratio = (sy / (predicted / w) + prior_weight) / (w + prior_weight)
+    return min(max(ratio, 1.0 / REJECT), REJECT)
+
+
 @dataclass(frozen=True, slots=True)
 class TimingSource:
     """Where an instance's predicting timing comes from, for operators."""
 
-    prefill: str  # configured | learned | pool | default
+    prefill: str  # configured | learned | scaled | pool | default
     decode: str
     prefill_samples: int
     decode_samples: int
@@ -196,6 +220,7 @@ class TimingPolicy:
     pinned: bool = False  # configured values always win over learned ones
     half_life_ms: int = 10_000  # learned statistics lose half their weight this often
     floor_weight: float = 4.0  # decay stops at this many samples' weight
+    prior_weight: float = 2.0  # pseudo-samples of the prior in a `scaled` estimate
 
     def resolve(
         self,
@@ -212,33 +237,48 @@ class TimingPolicy:
         configured_prefill = spec.prefill_ms_per_token is not None
         configured_decode = spec.decode_ms_per_token is not None
         values: dict[str, float | None] = {}
-        if configured_prefill and (self.pinned or pre is None or pre.samples < self.min_samples):
+        if configured_prefill and self.pinned:
             prefill_source = "configured"
             values["prefill_overhead_ms"] = spec.prefill_overhead_ms or 0.0
         elif pre is not None and pre.samples >= self.min_samples:
             prefill_source = "learned"
             values["prefill_ms_per_token"] = pre.slope
             values["prefill_overhead_ms"] = pre.intercept
-        elif pool is not None and pool.prefill_ms_per_token is not None:
-            prefill_source = "pool"
-            values["prefill_ms_per_token"] = pool.prefill_ms_per_token
-            values["prefill_overhead_ms"] = pool.prefill_overhead_ms
         else:
-            prefill_source = "default"
-            values["prefill_ms_per_token"] = DEFAULT_PREFILL_MS_PER_TOKEN
-            values["prefill_overhead_ms"] = DEFAULT_PREFILL_OVERHEAD_MS
-        if configured_decode and (self.pinned or dec is None or dec.samples < self.min_samples):
+            if configured_prefill:
+                prefill_source = "configured"
+                per_token = spec.prefill_ms_per_token or 0.0
+                overhead = spec.prefill_overhead_ms or 0.0
+            elif pool is not None and pool.prefill_ms_per_token is not None:
+                prefill_source = "pool"
+                per_token = pool.prefill_ms_per_token
+                overhead = pool.prefill_overhead_ms or 0.0
+            else:
+                prefill_source = "default"
+                per_token, overhead = DEFAULT_PREFILL_MS_PER_TOKEN, DEFAULT_PREFILL_OVERHEAD_MS
+            ratio = own_ratio(record, PREFILL, overhead, per_token, self.prior_weight)
+            if ratio is not None:
+                prefill_source = "scaled"
+                per_token, overhead = per_token * ratio, overhead * ratio
+            values["prefill_ms_per_token"] = per_token
+            values["prefill_overhead_ms"] = overhead
+        if configured_decode and self.pinned:
             decode_source = "configured"
         elif dec is not None and dec.samples >= self.min_samples:
             decode_source = "learned"
             # At the batch this instance has been running: what a new request shares.
             values["decode_ms_per_token"] = dec.at(dec.mean_x)
-        elif pool is not None and pool.decode_ms_per_token is not None:
-            decode_source = "pool"
-            values["decode_ms_per_token"] = pool.decode_ms_per_token
         else:
-            decode_source = "default"
-            values["decode_ms_per_token"] = DEFAULT_DECODE_MS_PER_TOKEN
+            if configured_decode:
+                decode_source, per_token = "configured", spec.decode_ms_per_token or 0.0
+            elif pool is not None and pool.decode_ms_per_token is not None:
+                decode_source, per_token = "pool", pool.decode_ms_per_token
+            else:
+                decode_source, per_token = "default", DEFAULT_DECODE_MS_PER_TOKEN
+            ratio = own_ratio(record, DECODE, per_token, 0.0, self.prior_weight)
+            if ratio is not None:
+                decode_source, per_token = "scaled", per_token * ratio
+            values["decode_ms_per_token"] = per_token
         source = TimingSource(
             prefill_source,
             decode_source,

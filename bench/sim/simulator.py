@@ -218,6 +218,16 @@ class StrategyResult:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class TailReport:
+    """The slowest requests of a run: on which true speeds, and what predicted them."""
+
+    requests: int
+    by_speed: dict[float, int]  # true speed of the chosen instance -> requests
+    predicted_over_true: float  # median predicted / true prefill ms per token
+    sources: dict[str, int]  # source of that prediction -> requests
+
+
 def exact_ttft_ms(
     engine: EngineModel, prompt_tokens: int, now_ms: float, current_output: int | None
 ) -> float:
@@ -313,6 +323,8 @@ class Simulation:
         self.learning = c.learn and strategy in SHARED
         self.alone = [False] * len(requests)  # reserved with no other prefill pending
         self.batch_of = [1] * len(requests)
+        # The prefill ms/token and its source the chosen instance was predicted with.
+        self.predicted_with: list[tuple[float | None, str] | None] = [None] * len(requests)
         self.nodes = [
             _Node(
                 # Each node's rotation starts where the real Coordinator's does.
@@ -463,6 +475,7 @@ class Simulation:
         if self.strategy in SHARED:
             spec = self.specs[k]
             self.alone[r] = self.state.row(self.ids[k]).pending_prefill == 0
+            self.predicted_with[r] = (spec.prefill_ms_per_token, self._sources[k].prefill)
             self.batch_of[r] = self.state.row(self.ids[k]).inflight + 1
             self.state.reserve(
                 str(r),
@@ -641,6 +654,26 @@ class Simulation:
                 self.state.set_timing(spec.id, spec, self._sources[k])
 
     # ------------------------------------------------------------------ summary
+
+    def tail(self, share: float = 0.01) -> TailReport:
+        """Where the slowest `share` of requests went, and how their instance was predicted."""
+        done = [r for r in range(len(self.requests)) if not math.isnan(self.first_token[r])]
+        done.sort(key=lambda r: self.first_token[r] - self.requests[r].arrival_ms, reverse=True)
+        slowest = done[: max(1, round(share * len(done)))]
+        by_speed: dict[float, int] = {}
+        ratios: list[float] = []
+        sources: dict[str, int] = {}
+        for r in slowest:
+            k = self.instance_of[r]
+            speed = self.config.speed(k)
+            by_speed[speed] = by_speed.get(speed, 0) + 1
+            seen = self.predicted_with[r]
+            if seen is not None and seen[0] is not None:
+                ratios.append(seen[0] / self.config.engine_timing(k).prefill_ms_per_token)
+                sources[seen[1]] = sources.get(seen[1], 0) + 1
+        ratios.sort()
+        median = ratios[len(ratios) // 2] if ratios else math.nan
+        return TailReport(len(slowest), dict(sorted(by_speed.items())), median, sources)
 
     def _summary(self) -> StrategyResult:
         timing = self.config.timing

@@ -19,6 +19,7 @@ from coordinator.timing import (
     expected_output,
     fit,
     merge_record,
+    own_ratio,
     pack,
     pool_prior,
     screened,
@@ -98,20 +99,26 @@ def test_merge_decays_by_half_life_and_stops_at_the_floor() -> None:
     assert restarted is not None and restarted[0] == 2 and restarted[2:] == [0.0] * 6
 
 
-def test_sources_in_order_configured_learned_pool_default() -> None:
+def test_sources_in_order_configured_learned_scaled_pool_default() -> None:
     policy = TimingPolicy(min_samples=8)
     configured = bare(prefill_ms_per_token=0.1, prefill_overhead_ms=5.0, decode_ms_per_token=9.0)
     few, many = prefill_record(0.8, 100.0, 5), prefill_record(0.8, 100.0, 40)
-    spec_, src = policy.resolve(configured, 1, few, None)
-    assert (src.prefill, src.decode, src.prefill_samples) == ("configured", "configured", 5)
+    spec_, src = policy.resolve(configured, 1, None, None)
+    assert (src.prefill, src.decode, src.prefill_samples) == ("configured", "configured", 0)
     assert spec_.prefill_ms_per_token == 0.1
+    spec_, src = policy.resolve(configured, 1, few, None)
+    assert (src.prefill, src.decode, src.prefill_samples) == ("scaled", "scaled", 5)
+    assert 0.1 < spec_.prefill_ms_per_token < 0.8  # type: ignore[operator]
     spec_, src = policy.resolve(configured, 1, many, None)
     assert (src.prefill, src.decode, src.decode_samples) == ("learned", "learned", 40)
     assert spec_.prefill_ms_per_token == pytest.approx(0.8)
     assert spec_.decode_ms_per_token == pytest.approx(12.0 + 0.25 * fit(many, DECODE, 0).mean_x)  # type: ignore[union-attr]
     assert src.decode_ms_per_seq == pytest.approx(0.25)
-    pinned, src = TimingPolicy(pinned=True).resolve(configured, 1, many, None)
-    assert (src.prefill, pinned.prefill_ms_per_token) == ("configured", 0.1)
+    for record in (few, many):
+        pinned, src = TimingPolicy(pinned=True).resolve(configured, 1, record, None)
+        assert (src.prefill, src.decode, pinned.prefill_ms_per_token) == ("configured",) * 2 + (
+            0.1,
+        )
     spec_, src = policy.resolve(bare(), 1, None, None)
     assert (src.prefill, src.decode) == ("default", "default")
     assert spec_.prefill_ms_per_token == DEFAULT_PREFILL_MS_PER_TOKEN
@@ -119,10 +126,43 @@ def test_sources_in_order_configured_learned_pool_default() -> None:
     assert spec_.has_timing
     prior = pool_prior([bare(prefill_ms_per_token=1.0, decode_ms_per_token=10.0), spec_])
     assert prior is not None
-    spec_, src = policy.resolve(bare(), 1, few, prior)
+    spec_, src = policy.resolve(bare(), 1, None, prior)
     assert (src.prefill, src.decode) == ("pool", "pool")
     assert spec_.prefill_ms_per_token == pytest.approx((1.0 + DEFAULT_PREFILL_MS_PER_TOKEN) / 2)
+    spec_, src = policy.resolve(bare(), 1, few, prior)
+    assert (src.prefill, src.decode) == ("scaled", "scaled")
     assert pool_prior([]) is None
+
+
+def test_a_few_own_samples_scale_the_prior_to_the_instance_speed() -> None:
+    """Issue 15's code-trace miss: a slow instance with fewer than min_samples samples
+    was predicted with the pool's average (the fast instances' speed) and overloaded."""
+    policy = TimingPolicy(min_samples=8, prior_weight=2.0)
+    prior = bare(prefill_ms_per_token=0.06, prefill_overhead_ms=8.0, decode_ms_per_token=20.0)
+    record = empty_record(1, 2)
+    for tokens in (300, 1200, 2500, 4000, 700):  # 5 samples of an engine 2.5x slower
+        add_sample(record, PREFILL, tokens, 2.5 * (8.0 + 0.06 * tokens))
+        add_sample(record, DECODE, 4, 2.5 * 20.0)
+    spec_, src = policy.resolve(bare(), 1, record, prior)
+    assert (src.prefill, src.prefill_samples, src.decode) == ("scaled", 5, "scaled")
+    ratio = (5 * 2.5 + 2.0) / (5 + 2.0)  # the observed ratio, shrunk by 2 pseudo-samples
+    assert spec_.prefill_ms_per_token == pytest.approx(0.06 * ratio)
+    assert spec_.prefill_overhead_ms == pytest.approx(8.0 * ratio)
+    assert spec_.decode_ms_per_token == pytest.approx(20.0 * ratio)
+    assert spec_.prefill_ms(2000) == pytest.approx(2.5 * (8.0 + 0.06 * 2000), rel=0.25)
+    # A configured (shared, wrong) timing is scaled the same way; the same record
+    # under a prior that is right does not move it.
+    right = bare(prefill_ms_per_token=0.15, prefill_overhead_ms=20.0, decode_ms_per_token=50.0)
+    spec_, src = policy.resolve(right, 1, record, None)
+    assert src.prefill == "scaled"
+    assert spec_.prefill_ms(2000) == pytest.approx(2.5 * (8.0 + 0.06 * 2000), rel=0.05)
+    # One wild sample (a cold start, unscreened before learning) moves it at most 8-fold.
+    stall = empty_record(1, 2)
+    add_sample(stall, PREFILL, 1000, 1e9)
+    spec_, _ = policy.resolve(bare(), 1, stall, prior)
+    assert spec_.prefill_ms_per_token == pytest.approx(0.06 * 8.0)
+    assert own_ratio(None, PREFILL, 8.0, 0.06, 2.0) is None
+    assert own_ratio(empty_record(1, 2), PREFILL, 8.0, 0.06, 2.0) is None
 
 
 def test_a_new_epoch_starts_over_from_the_pool_prior() -> None:
