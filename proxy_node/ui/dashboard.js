@@ -221,11 +221,12 @@
     return "alive";
   }
 
-  // Where the predicting timing comes from: configured, learned (with samples), the
-  // pool's learned average, or the documented default.
+  // Where the predicting timing comes from: configured, learned or scaled (with the
+  // instance's own samples), the pool's learned average, or the documented default.
   function timingText(t) {
     if (!t) return "–";
-    const n = t.prefill === "learned" ? ` ${t.prefill_samples}` : "";
+    const own = t.prefill === "learned" || t.prefill === "scaled";
+    const n = own ? ` ${t.prefill_samples}` : "";
     return `${t.prefill}${n}`;
   }
 
