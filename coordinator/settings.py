@@ -27,6 +27,7 @@ class Weights:
     active_decode: float = 0.5
     backlog_ms: float = 0.001
     ttft_ms: float = 0.0  # request-aware: backlog + own uncached prefill (needs the request)
+    prefill_ms: float = 0.0  # request-aware: own uncached prefill, the work it adds (ditto)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -75,10 +76,14 @@ class Weights:
 # layers, with the predicted wait counted as this request's predicted TTFT on each
 # candidate (backlog + own uncached prefill, ms) at 0.2 per ms: 5 ms of predicted TTFT
 # weigh one request, so a prefill of seconds ahead outweighs any queue of short ones
-# (docs/benchmarks.md measures both).
+# (docs/benchmarks.md measures both). Its own uncached prefill counts once more, at
+# the same 0.2 per ms (`prefill_ms`): that is engine time every later request on the
+# instance waits behind, so a cache that saves it is worth more than the wait it
+# saves this request. Equal on every candidate without a cache credit (same timing),
+# it changes nothing there.
 WEIGHT_PRESETS: dict[str, Weights] = {
     "seed": Weights(),
-    "ttft": Weights(backlog_ms=0.0, ttft_ms=0.2),
+    "ttft": Weights(backlog_ms=0.0, ttft_ms=0.2, prefill_ms=0.2),
 }
 DEFAULT_WEIGHTS = "ttft"  # what Settings (and so `coordinator serve`) uses by default
 
