@@ -23,7 +23,7 @@ than the fleet the simulator models:
 - engine hints are scraped every `SCRAPE_ENGINE_MS` of engine time (the sim's
   `hint_interval_ms`) and expire after `HINT_TTL_ENGINE_MS`;
 - least_load's `backlog_ms`, `ttft_ms` and `prefill_ms` weights are multiplied by the
-  speed, and the prefix hot-spot guard divided by it, as the times the
+  speed, and the prefix hot-spot guard and hot window divided by it, as the times the
   nodes compute are real ms.
 
 Prefix caching (`--prefix-cache-tokens`, for traces with `hash_ids`): the mock engines
@@ -202,6 +202,8 @@ class LiveConfig:
             "COORD_REQUEST_TIMEOUT_S": repr(self.request_timeout_s),
             "COORD_PREFIX_BLOCK_CHARS": str(BLOCK_CHARS),
             "COORD_PREFIX_GUARD_MS": str(round(Settings().prefix_guard_ms / self.rate)),
+            "COORD_PREFIX_HOT_GUARD_MS": str(round(Settings().prefix_hot_guard_ms / self.rate)),
+            "COORD_PREFIX_HOT_MS": str(round(Settings().prefix_hot_ms / self.rate)),
         }
 
     def prefix_engine_args(self) -> list[str]:

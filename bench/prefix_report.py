@@ -404,7 +404,9 @@ run, side by side. Fleet: {args.instances} engines (`local_fleet.engine_model`, 
 with a prefix cache: LRU of whole 512-token trace blocks, a prefill computes only
 its uncached tokens), {args.nodes} proxy nodes, utilization {args.utilization:g}
 (computed on uncached work, so caching lowers the real load). The nodes' defaults:
-`ttft_ms` weight {s.weights.ttft_ms:g}, hot-spot guard {s.prefix_guard_ms} ms, at
+`ttft_ms` weight {s.weights.ttft_ms:g}, `prefill_ms` weight {s.weights.prefill_ms:g},
+hot-spot guard {s.prefix_guard_ms} ms ({s.prefix_hot_guard_ms} ms for a prefix the node
+routed within {s.prefix_hot_ms} ms), at
 most {s.prefix_max_blocks} blocks looked up per request, {s.prefix_max_owners}
 owners per block. *Hit rate*: cached / queried prompt tokens, from the engines'
 caches (the counters the mock engine exports as `vllm:prefix_cache_hits` /

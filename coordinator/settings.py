@@ -120,6 +120,8 @@ class Settings:
     prefix_cache_tokens: int = 400_000  # index capacity of an instance whose spec has none
     prefix_max_owners: int = 8  # instances remembered per block (most recent)
     prefix_guard_ms: int = 10_000  # cache credit fades over this much extra backlog; 0 = off
+    prefix_hot_guard_ms: int = 3_000  # the same for a hot prefix (0: prefix_guard_ms)
+    prefix_hot_ms: int = 3_000  # a prefix this node routed this recently is hot; 0 = none
     # Learned timing (coordinator/timing.py; README "Prediction sources").
     timing_flush_ms: int = 2_000  # how often a node merges its samples and reads the pool's
     timing_min_samples: int = 8  # learned timing replaces configured from this many samples
@@ -163,6 +165,8 @@ class Settings:
             ("prefix_cache_tokens", 0, 10**9),
             ("prefix_max_owners", 1, 64),
             ("prefix_guard_ms", 0, 86_400_000),
+            ("prefix_hot_guard_ms", 0, 86_400_000),
+            ("prefix_hot_ms", 0, 86_400_000),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
