@@ -138,6 +138,19 @@ def test_a_popular_prefix_spreads_while_hot_and_piles_up_without_the_hot_guard()
     assert sorted(piled.assigned)[-2] == 0  # one instance served everything
 
 
+def test_ttft_floors_count_what_no_earlier_request_or_the_pooled_cache_had() -> None:
+    from bench.prefix_report import ttft_floors
+    from local_fleet.stats import percentile
+
+    a = TraceRequest(0, 0.0, 1024, 1, (1, 2))
+    b = TraceRequest(1, 1.0, 3072, 1, (1, 2, 3, 4, 5, 6))
+    config = SimConfig(instances=1, prefix_cache_tokens=512)  # the pool holds one block
+    prefill = config.timing.prefill_ms
+    never, pooled = ttft_floors([a, b], config)
+    assert never == percentile([prefill(1024), prefill(2048)], 99)  # b had a's 2 blocks
+    assert pooled == percentile([prefill(1024), prefill(2560)], 99)  # of which 1 pooled
+
+
 def test_hash_ids_are_read_from_jsonl_traces() -> None:
     trace = parse_trace(
         '{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1, 2]}\n'
