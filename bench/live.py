@@ -22,8 +22,9 @@ than the fleet the simulator models:
 
 - engine hints are scraped every `SCRAPE_ENGINE_MS` of engine time (the sim's
   `hint_interval_ms`) and expire after `HINT_TTL_ENGINE_MS`;
-- least_load's `backlog_ms` and `ttft_ms` weights are multiplied by the speed, and
-  the prefix hot-spot guard divided by it, as the times the nodes compute are real ms.
+- least_load's `backlog_ms`, `ttft_ms` and `prefill_ms` weights are multiplied by the
+  speed, and the prefix hot-spot guard and hot window divided by it, as the times the
+  nodes compute are real ms.
 
 Prefix caching (`--prefix-cache-tokens`, for traces with `hash_ids`): the mock engines
 keep a prefix cache of that many tokens, and each trace block id becomes the same
@@ -184,7 +185,12 @@ class LiveConfig:
     def weights(self, preset: str = DEFAULT_WEIGHTS) -> Weights:
         """least_load weights for the live nodes: the ms-valued ones per real ms."""
         w = Weights.preset(preset)
-        return replace(w, backlog_ms=w.backlog_ms * self.rate, ttft_ms=w.ttft_ms * self.rate)
+        return replace(
+            w,
+            backlog_ms=w.backlog_ms * self.rate,
+            ttft_ms=w.ttft_ms * self.rate,
+            prefill_ms=w.prefill_ms * self.rate,
+        )
 
     def node_env(self, preset: str = DEFAULT_WEIGHTS) -> dict[str, str]:
         """COORD_* variables that put the nodes' time-based knobs on engine time."""
@@ -196,6 +202,8 @@ class LiveConfig:
             "COORD_REQUEST_TIMEOUT_S": repr(self.request_timeout_s),
             "COORD_PREFIX_BLOCK_CHARS": str(BLOCK_CHARS),
             "COORD_PREFIX_GUARD_MS": str(round(Settings().prefix_guard_ms / self.rate)),
+            "COORD_PREFIX_HOT_GUARD_MS": str(round(Settings().prefix_hot_guard_ms / self.rate)),
+            "COORD_PREFIX_HOT_MS": str(round(Settings().prefix_hot_ms / self.rate)),
         }
 
     def prefix_engine_args(self) -> list[str]:

@@ -132,7 +132,8 @@ class ColumnarPool:
         """The reference least_load's first k candidates and their scores.
 
         `room_only` leaves out instances at max_slots, as if they were not eligible.
-        With a `request`, the ttft_ms component is scored as in the reference.
+        With a `request`, the ttft_ms and prefill_ms components are scored as in the
+        reference.
         """
         self.sync(cache)
         c = self._cols
@@ -157,7 +158,9 @@ class ColumnarPool:
             "backlog_ms": backlog,
         }
         if request is not None:
-            values["ttft_ms"] = backlog + self._prefill_ms(c, sel, eligible, request)
+            prefill = np.where(known_pred, self._prefill_ms(c, sel, eligible, request), NAN)
+            values["ttft_ms"] = backlog + prefill
+            values["prefill_ms"] = prefill
         for name in INSTANTANEOUS:
             at = c[f"{name}_at"][sel]
             missing = np.isnan(at)

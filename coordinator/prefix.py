@@ -19,7 +19,7 @@ prompt against the index (docs/security.md). No text is kept.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 from coordinator.tokens import CHARS_PER_TOKEN, content_text
@@ -115,6 +115,80 @@ def cached_blocks(
     return held
 
 
+class CachedTokens(dict[str, int]):
+    """Expected cached prompt tokens per instance (a plain dict to everything that
+    reads it), and `hot`: the instances whose credited prefix is hot, i.e. this node
+    routed a request with that prefix moments ago (`HotPrefixes`). The hot-spot guard
+    fades a hot prefix's credit over `hot_guard_ms` of extra backlog instead of the
+    caller's guard distance; a plain mapping of cached tokens has no hot prefixes.
+    """
+
+    __slots__ = ("hot", "hot_guard_ms")
+
+    def __init__(
+        self,
+        tokens: Mapping[str, int] | None = None,
+        hot: Iterable[str] = (),
+        hot_guard_ms: int = 0,
+    ) -> None:
+        super().__init__(tokens or {})
+        self.hot: frozenset[str] = frozenset(hot)
+        self.hot_guard_ms = hot_guard_ms
+
+
+class HotPrefixes:
+    """The block hashes one node routed recently: what makes a prefix popular *now*.
+
+    Two generations of sets, each `window_ms` long at most (and at most `max_size`
+    hashes): a hash noted in the current or the previous one is hot, so a hash stays
+    hot between `window_ms` and twice that after it was last routed. Node-local and
+    approximate on purpose: a popular prefix reaches every node behind the balancer
+    within the window, while a conversation's next turn usually comes long after its
+    last one, or through another node.
+    """
+
+    def __init__(self, window_ms: float, max_size: int = 65_536) -> None:
+        self.window_ms = window_ms
+        self.max_size = max_size
+        self._current: set[Hashable] = set()
+        self._previous: set[Hashable] = set()
+        self._started_ms: float | None = None
+
+    def _age(self, now_ms: float) -> None:
+        if self._started_ms is None:
+            self._started_ms = now_ms
+        elapsed = now_ms - self._started_ms
+        if elapsed >= 2 * self.window_ms:
+            self._current, self._previous = set(), set()
+            self._started_ms = now_ms
+        elif elapsed >= self.window_ms or len(self._current) >= self.max_size:
+            self._current, self._previous = set(), self._current
+            self._started_ms = now_ms
+
+    def note(self, hashes: Iterable[Hashable], now_ms: float) -> None:
+        """This node routed a request with these blocks at `now_ms`."""
+        if self.window_ms <= 0:
+            return
+        self._age(now_ms)
+        self._current.update(hashes)
+
+    def is_hot(self, block: Hashable, now_ms: float) -> bool:
+        """Whether this node routed a request holding `block` within the window."""
+        if self.window_ms <= 0:
+            return False
+        self._age(now_ms)
+        return block in self._current or block in self._previous
+
+
+def hot_instances(
+    held: Mapping[str, int], blocks: Sequence[Hashable], hot: HotPrefixes, now_ms: float
+) -> set[str]:
+    """Instances whose deepest credited block (of `held` blocks each) is hot."""
+    return {
+        iid for iid, depth in held.items() if depth > 0 and hot.is_hot(blocks[depth - 1], now_ms)
+    }
+
+
 def guarded_cached_tokens(
     cached: Mapping[str, int],
     backlog_of: Callable[[str], float | None],
@@ -122,25 +196,41 @@ def guarded_cached_tokens(
     guard_ms: int,
 ) -> dict[str, int]:
     """The hot-spot guard: cache credit fades as an instance gets busier than the least
-    busy candidate, and is gone once it is `guard_ms` of backlog ahead.
+    busy candidate, and is gone once it is `guard_ms` of backlog ahead (for a hot
+    prefix, `CachedTokens.hot_guard_ms`).
 
-    Without it, the predicted TTFT sends every request of a popular prefix to its one
-    holder until that holder's queue is as long as the prefill the cache saves (for a
+    Without it, the score sends every request of a popular prefix to its one holder
+    until that holder's queue is as long as the prefill the cache saves (for a
     30k-token prefix, over 2 s) while other instances idle. With it, once the holder is
-    `guard_ms` busier than the idlest instance, the next request goes where the load is
-    lowest and that instance computes (and from then on holds) the prefix too: a
-    popular prefix spreads over as many instances as its load needs. `guard_ms` = 0
-    turns the guard off (the credit is never faded). An instance without a known
-    backlog keeps no credit.
+    the guard distance busier than the idlest instance, the next request goes where
+    the load is lowest and that instance computes (and from then on holds) the prefix
+    too: a popular prefix spreads over as many instances as its load needs.
+
+    Two distances, because a busy holder means two different things. A hot prefix
+    (this node routed it moments ago, `HotPrefixes`) is popular now: its holder is
+    busy with the prefix's own requests, and a second holder pays off at once, so its
+    credit fades over the short `hot_guard_ms`. Any other credit is a conversation's
+    next turn whose holder is busy with other work: sending it away computes its
+    whole history again and copies it into a second cache, evicting other prefixes
+    there, so its credit fades only over the long `guard_ms` (a long queue ahead
+    also overwrites the holder's cache before the request's prefill starts).
+    `guard_ms` = 0 turns the guard off (no credit is ever faded); `hot_guard_ms` = 0
+    leaves hot prefixes to `guard_ms`. An instance without a known backlog keeps no
+    credit.
     """
     if guard_ms <= 0:
         return dict(cached)
+    hot: frozenset[str] = frozenset()
+    hot_guard_ms = 0
+    if isinstance(cached, CachedTokens):
+        hot, hot_guard_ms = cached.hot, cached.hot_guard_ms
     out: dict[str, int] = {}
     for iid, tokens in cached.items():
         backlog = backlog_of(iid)
         if backlog is None:
             continue
-        share = 1.0 - max(0, backlog - floor_backlog_ms) / guard_ms
+        distance = hot_guard_ms if iid in hot and hot_guard_ms > 0 else guard_ms
+        share = 1.0 - max(0, backlog - floor_backlog_ms) / distance
         if share > 0:
             out[iid] = int(tokens * min(1.0, share))
     return out

@@ -10,12 +10,22 @@ optimization, never a reason to fail a request.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from coordinator.errors import CoordinationUnavailableError
 from coordinator.keys import PoolKeys
-from coordinator.prefix import block_hashes, block_tokens, cached_blocks, canonical_prompt, salt_key
+from coordinator.prefix import (
+    CachedTokens,
+    HotPrefixes,
+    block_hashes,
+    block_tokens,
+    cached_blocks,
+    canonical_prompt,
+    hot_instances,
+    salt_key,
+)
 from coordinator.settings import Settings
 
 SAMPLE_EVERY = 8  # one record call in this many also reclaims void entries (a sample)
@@ -51,6 +61,8 @@ class PrefixIndex:
         # (numbers only), for /debug/instance_loads and the dashboard.
         self.last_lookup: dict[str, int] = {}
         self._records = 0
+        # The prefixes this node routed moments ago: only those are hot-spot guarded.
+        self.hot = HotPrefixes(settings.prefix_hot_ms)
 
     @property
     def enabled(self) -> bool:
@@ -67,7 +79,12 @@ class PrefixIndex:
         )
 
     async def cached_tokens(self, hashes: Sequence[str]) -> dict[str, int]:
-        """Expected cached prompt tokens per instance (instances with none are absent)."""
+        """Expected cached prompt tokens per instance (instances with none are absent).
+
+        A `CachedTokens`: its `hot` names the instances whose credited prefix this
+        node routed within `prefix_hot_ms` (none when 0), which the hot-spot guard
+        fades over `prefix_hot_guard_ms` (coordinator/prefix.py).
+        """
         if not hashes or self._degraded():
             return {}  # degraded: no Redis round trip (and no timeout) per request
         try:
@@ -76,8 +93,10 @@ class PrefixIndex:
             return {}  # the reserve that follows notices the outage and degrades
         owners = [None if v is None else v.decode() if isinstance(v, bytes) else v for v in values]
         held = cached_blocks(owners, self._epoch_of)
-        self.last_lookup = {iid: blocks * self.block_tokens for iid, blocks in held.items()}
-        return self.last_lookup
+        tokens = {iid: blocks * self.block_tokens for iid, blocks in held.items()}
+        self.last_lookup = tokens
+        hot = hot_instances(held, hashes, self.hot, time.monotonic() * 1000)
+        return CachedTokens(tokens, hot, self._settings.prefix_hot_guard_ms)
 
     async def index_tokens(self, instances: Sequence[tuple[str, int]]) -> dict[str, int]:
         """Tokens the index holds per (instance id, epoch): one pipelined count each.
@@ -106,6 +125,7 @@ class PrefixIndex:
         """
         if not hashes:
             return
+        self.hot.note(hashes, time.monotonic() * 1000)
         held = min(held_tokens // self.block_tokens, len(hashes))
         hashes = hashes[max(0, held - 1) :]
         capacity = self._capacity_tokens(instance_id)

@@ -27,6 +27,7 @@ class Weights:
     active_decode: float = 0.5
     backlog_ms: float = 0.001
     ttft_ms: float = 0.0  # request-aware: backlog + own uncached prefill (needs the request)
+    prefill_ms: float = 0.0  # request-aware: own uncached prefill, the work it adds (ditto)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -75,10 +76,14 @@ class Weights:
 # layers, with the predicted wait counted as this request's predicted TTFT on each
 # candidate (backlog + own uncached prefill, ms) at 0.2 per ms: 5 ms of predicted TTFT
 # weigh one request, so a prefill of seconds ahead outweighs any queue of short ones
-# (docs/benchmarks.md measures both).
+# (docs/benchmarks.md measures both). Its own uncached prefill counts once more, at
+# the same 0.2 per ms (`prefill_ms`): that is engine time every later request on the
+# instance waits behind, so a cache that saves it is worth more than the wait it
+# saves this request. Equal on every candidate without a cache credit (same timing),
+# it changes nothing there.
 WEIGHT_PRESETS: dict[str, Weights] = {
     "seed": Weights(),
-    "ttft": Weights(backlog_ms=0.0, ttft_ms=0.2),
+    "ttft": Weights(backlog_ms=0.0, ttft_ms=0.2, prefill_ms=0.2),
 }
 DEFAULT_WEIGHTS = "ttft"  # what Settings (and so `coordinator serve`) uses by default
 
@@ -118,6 +123,8 @@ class Settings:
     prefix_cache_tokens: int = 400_000  # index capacity of an instance whose spec has none
     prefix_max_owners: int = 8  # instances remembered per block (most recent)
     prefix_guard_ms: int = 10_000  # cache credit fades over this much extra backlog; 0 = off
+    prefix_hot_guard_ms: int = 3_000  # the same for a hot prefix (0: prefix_guard_ms)
+    prefix_hot_ms: int = 3_000  # a prefix this node routed this recently is hot; 0 = none
     # Learned timing (coordinator/timing.py; README "Prediction sources").
     timing_flush_ms: int = 2_000  # how often a node merges its samples and reads the pool's
     timing_min_samples: int = 8  # learned timing replaces configured from this many samples
@@ -169,6 +176,8 @@ class Settings:
             ("prefix_cache_tokens", 0, 10**9),
             ("prefix_max_owners", 1, 64),
             ("prefix_guard_ms", 0, 86_400_000),
+            ("prefix_hot_guard_ms", 0, 86_400_000),
+            ("prefix_hot_ms", 0, 86_400_000),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:

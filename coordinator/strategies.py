@@ -15,9 +15,11 @@ from coordinator.settings import Weights
 
 LIFECYCLE = ("inflight",)
 INSTANTANEOUS = ("engine_running", "engine_waiting", "queue_depth")
-# ttft_ms (backlog + this request's own uncached prefill) exists only when the
-# ranking is given the request (RequestShape); without one it is never a component.
-PREDICTED = ("pending_prefill", "active_decode", "backlog_ms", "ttft_ms")
+# ttft_ms (backlog + this request's own uncached prefill) and prefill_ms (that prefill
+# alone: the engine time the request adds to the candidate, which every request
+# queued behind it there waits for) exist only when the ranking is given the request
+# (RequestShape); without one they are never components.
+PREDICTED = ("pending_prefill", "active_decode", "backlog_ms", "ttft_ms", "prefill_ms")
 LAYERS = {"lifecycle": LIFECYCLE, "instantaneous": INSTANTANEOUS, "predicted": PREDICTED}
 TIE_EPSILON = 1e-9
 
@@ -92,7 +94,11 @@ def _raw_components(row: InstanceLoad, request: RequestShape | None) -> dict[str
         "backlog_ms": row.predicted_total_backlog_ms,
     }
     if request is not None:
-        raw["ttft_ms"] = row.predicted_ttft_ms(request.uncached_on(row.id))
+        uncached = request.uncached_on(row.id)
+        raw["ttft_ms"] = row.predicted_ttft_ms(uncached)
+        raw["prefill_ms"] = (
+            None if row.predicted_total_backlog_ms is None else row.spec.prefill_ms(uncached)
+        )
     return raw
 
 
@@ -107,7 +113,10 @@ def score_rows(
     """Score candidates with the three-layer least_load model.
 
     With a `request`, the predicted layer gains `ttft_ms`: the candidate's backlog
-    plus its own predicted prefill of the request's uncached prompt tokens.
+    plus its own predicted prefill of the request's uncached prompt tokens, and
+    `prefill_ms`: that prefill alone. `ttft_ms` is what this request waits; the
+    prefill is also engine time every later request on the candidate waits behind,
+    so a candidate holding the prompt's prefix is worth more than the wait it saves.
 
     A component enters the totals only when it is known for every candidate whose
     lifecycle is known, so candidates are always compared on the same terms: one

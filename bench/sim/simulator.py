@@ -61,7 +61,7 @@ from bench.sim.prefix_policies import (
 from bench.sim.shared_state import SharedState
 from bench.sim.traces import TRACE_BLOCK_TOKENS, TraceRequest, service_ms
 from coordinator.models import InstanceLoad, InstanceRow, InstanceSpec, RequestShape
-from coordinator.prefix import guarded_cached_tokens
+from coordinator.prefix import CachedTokens, HotPrefixes, guarded_cached_tokens, hot_instances
 from coordinator.pressure import instance_load
 from coordinator.settings import Settings, Weights
 from coordinator.strategies import Ranking, RoundRobin, least_load, power_of_two, round_robin
@@ -119,6 +119,8 @@ class SimConfig:
     sglang: SglangThresholds = field(default_factory=SglangThresholds)
     dynamo_overlap_weight: float = 1.0  # Dynamo's kv-overlap-score-weight
     prefix_guard_ms: int = Settings().prefix_guard_ms  # the hot-spot guard (coordinator/prefix.py)
+    prefix_hot_guard_ms: int = Settings().prefix_hot_guard_ms  # its distance for hot prefixes
+    prefix_hot_ms: int = Settings().prefix_hot_ms  # what the guard counts as hot (ditto)
     speeds: tuple[float, ...] = ()  # true speed per instance, cycled (empty: all 1.0)
     registered_timing: str = "exact"  # exact | none | shared (REGISTERED_TIMING)
     learn: bool = False  # nodes learn timing from traffic (coordinator/timing.py)
@@ -278,6 +280,7 @@ class _Node:
     local: list[int] = field(default_factory=list)  # this node's inflight per instance
     observations: Observations = field(default_factory=Observations)
     flushed_ms: float = 0.0
+    hot: HotPrefixes = field(default_factory=lambda: HotPrefixes(0))  # prefixes it routed
 
 
 class Simulation:
@@ -331,6 +334,7 @@ class Simulation:
                 RoundRobin(zlib.crc32(f"node-{n}".encode())),
                 random.Random(f"{c.seed}:{strategy}:{n}"),
                 local=[0] * c.instances,
+                hot=HotPrefixes(c.prefix_hot_ms),
             )
             for n in range(c.nodes)
         ]
@@ -461,6 +465,8 @@ class Simulation:
             cached = {
                 iid: min(b * self.config.block_tokens, req.prompt_tokens) for iid, b in held.items()
             }
+            hot = hot_instances(held, req.blocks, node.hot, now)  # as PrefixIndex.cached_tokens
+            cached = CachedTokens(cached, hot, self.config.prefix_hot_guard_ms)
         k = self._choose(node, req, now, expected, cached)
         self.node_of[r] = n
         self.instance_of[r] = k
@@ -471,6 +477,7 @@ class Simulation:
         self.active_tokens[k] += req.prompt_tokens + expected
         if prefix_aware:
             blocks = req.blocks[: self.config.prefix_max_blocks]
+            node.hot.note(blocks, now)
             self.prefix_index.record(self.ids[k], blocks, held.get(self.ids[k], 0))
         if self.strategy in SHARED:
             spec = self.specs[k]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 from bench.sim.prefix_policies import (
     HashRing,
@@ -14,7 +15,7 @@ from bench.sim.prefix_policies import (
     sglang_choice,
 )
 from bench.sim.simulator import PREFIX_STRATEGIES, SimConfig, simulate
-from bench.sim.traces import TraceRequest, parse_trace
+from bench.sim.traces import TraceRequest, parse_trace, scale_to_utilization
 from tests.conftest import MakeCoordinator
 from tests.helpers import spec
 
@@ -111,6 +112,43 @@ def test_prefix_replays_are_deterministic_and_affinity_hits_more() -> None:
     assert results["consistent_hash"].prefix_hit_rate > results["least_load"].prefix_hit_rate
     # Without an engine cache nothing is queried: the hit rate is undefined.
     assert math.isnan(simulate(requests, "least_load", SimConfig(instances=4)).prefix_hit_rate)
+
+
+def popular_prefix(count: int = 600, shared: int = 80) -> list[TraceRequest]:
+    """Poisson arrivals that all start with one long shared prefix (a document)."""
+    rng = random.Random(1)
+    out, at = [], 0.0
+    for i in range(count):
+        at += rng.expovariate(1.0)
+        blocks = (*range(shared), 1_000_000 + 2 * i, 1_000_001 + 2 * i)
+        output = max(1, int(rng.lognormvariate(4.0, 1.0)))
+        out.append(TraceRequest(i, at, len(blocks) * 512, output, blocks))
+    return out
+
+
+def test_a_popular_prefix_spreads_while_hot_and_piles_up_without_the_hot_guard() -> None:
+    """The credit a conversation's turn keeps against a busy holder (prefill_ms, the
+    long guard) would pile a popular prefix onto its first holder; the short guard of
+    a hot prefix spreads it over the fleet."""
+    config = SimConfig(instances=8, nodes=3, prefix_cache_tokens=400_000)
+    requests = scale_to_utilization(popular_prefix(), config.timing, 8, 0.8)
+    spread = simulate(requests, "least_load_affinity", config)
+    assert min(spread.assigned) > 0 and spread.imbalance < 1.5
+    piled = simulate(requests, "least_load_affinity", replace(config, prefix_hot_ms=0))
+    assert sorted(piled.assigned)[-2] == 0  # one instance served everything
+
+
+def test_ttft_floors_count_what_no_earlier_request_or_the_pooled_cache_had() -> None:
+    from bench.prefix_report import ttft_floors
+    from local_fleet.stats import percentile
+
+    a = TraceRequest(0, 0.0, 1024, 1, (1, 2))
+    b = TraceRequest(1, 1.0, 3072, 1, (1, 2, 3, 4, 5, 6))
+    config = SimConfig(instances=1, prefix_cache_tokens=512)  # the pool holds one block
+    prefill = config.timing.prefill_ms
+    never, pooled = ttft_floors([a, b], config)
+    assert never == percentile([prefill(1024), prefill(2048)], 99)  # b had a's 2 blocks
+    assert pooled == percentile([prefill(1024), prefill(2560)], 99)  # of which 1 pooled
 
 
 def test_hash_ids_are_read_from_jsonl_traces() -> None:

@@ -80,6 +80,8 @@ def rows(draw: st.DrawFn) -> list[InstanceRow]:
             Weights(inflight=1.7e308, backlog_ms=1.7e308),
             Weights(ttft_ms=1.0),
             Weights(ttft_ms=1.0, backlog_ms=0.0, inflight=0.01, pending_prefill=0.0),
+            Weights(ttft_ms=0.2, prefill_ms=0.2, backlog_ms=0.0),
+            Weights(prefill_ms=1.0, inflight=0.0),
         ]
     ),
     st.one_of(

@@ -6,10 +6,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coordinator.prefix import (
+    CachedTokens,
+    HotPrefixes,
     block_hashes,
     cached_blocks,
     canonical_prompt,
     guarded_cached_tokens,
+    hot_instances,
     parse_owners,
     salt_key,
 )
@@ -98,3 +101,53 @@ def test_guard_fades_credit_with_backlog_above_the_idlest() -> None:
         "idle": 8000,
     }
     assert guarded_cached_tokens(cached, backlogs, 1000.0, 0) == cached
+
+
+def test_a_hot_prefix_fades_over_the_hot_distance_a_cold_one_over_the_guard() -> None:
+    """Both holders are 1500 ms busier than the idlest: the popular prefix's credit is
+    gone at a 1000 ms hot distance, the conversation's turn keeps 85% at 10 s."""
+    backlogs = {"popular": 1500.0, "turn": 1500.0, "idle": 0.0}.get
+    cached = CachedTokens({"popular": 8000, "turn": 8000}, hot={"popular"}, hot_guard_ms=1000)
+    assert guarded_cached_tokens(cached, backlogs, 0.0, 10_000) == {"turn": 6800}
+    # hot_guard_ms 0: hot prefixes fade over the guard distance like the others.
+    same = CachedTokens(cached, hot={"popular"}, hot_guard_ms=0)
+    assert guarded_cached_tokens(same, backlogs, 0.0, 10_000) == {"popular": 6800, "turn": 6800}
+    # A plain mapping has no hot prefixes; guard 0 turns everything off.
+    assert guarded_cached_tokens(dict(cached), backlogs, 0.0, 10_000) == {
+        "popular": 6800,
+        "turn": 6800,
+    }
+    assert guarded_cached_tokens(cached, backlogs, 0.0, 0) == cached
+    # It is a dict to everything else.
+    assert cached == {"popular": 8000, "turn": 8000} and isinstance(cached, dict)
+
+
+def test_a_prefix_is_hot_between_one_and_two_windows_after_it_was_routed() -> None:
+    hot = HotPrefixes(1000)
+    hot.note(["a", "b"], now_ms=0)
+    assert hot.is_hot("a", 999) and hot.is_hot("b", 999)
+    assert not hot.is_hot("c", 999)
+    hot.note(["c"], now_ms=1000)  # a new generation: a and b are in the previous one
+    assert hot.is_hot("a", 1999) and hot.is_hot("c", 1999)
+    assert not hot.is_hot("a", 2000)  # two generations on: a is forgotten
+    assert hot.is_hot("c", 2000)
+    assert not hot.is_hot("c", 4000)  # idle for two windows: nothing is hot
+    off = HotPrefixes(0)
+    off.note(["a"], 0)
+    assert not off.is_hot("a", 0)
+
+
+def test_the_hot_set_is_bounded() -> None:
+    hot = HotPrefixes(10_000, max_size=4)
+    hot.note(range(4), 0)  # full: the next note starts a new generation
+    hot.note([10], 1)
+    hot.note([11, 12, 13], 2)
+    hot.note([14], 3)
+    assert not hot.is_hot(0, 3) and hot.is_hot(10, 3) and hot.is_hot(14, 3)
+
+
+def test_hot_instances_look_at_each_deepest_credited_block() -> None:
+    hot = HotPrefixes(1000)
+    blocks = ["h1", "h2", "h3"]
+    hot.note(["h2"], 0)
+    assert hot_instances({"a": 2, "b": 3, "c": 0}, blocks, hot, 10) == {"a"}

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from coordinator import InstanceLoad, InstanceSpec, InvalidArgumentError, Weights
+from coordinator.models import RequestShape
 from coordinator.strategies import (
     Ranking,
     RoundRobin,
@@ -387,3 +388,46 @@ def test_eligible_keeps_alive_rows_of_the_role() -> None:
     assert [r.id for r in eligible(rows)] == ["a"]
     assert [r.id for r in eligible(rows, role="prefill")] == ["c"]
     assert least_load([], Weights(), RoundRobin()).choice is None
+
+
+# ---------------------------------------------------------------- prefill_ms
+
+
+def timed_row(iid: str, backlog_ms: int) -> InstanceLoad:
+    """A candidate with a timing model (0.1 ms per prompt token) and some backlog."""
+    spec = InstanceSpec(
+        id=iid,
+        url="http://127.0.0.1:9000",
+        prefill_ms_per_token=0.1,
+        prefill_overhead_ms=0.0,
+        decode_ms_per_token=10.0,
+    )
+    return row(iid, spec=spec, predicted_total_backlog_ms=backlog_ms, prefill_free_in_ms=backlog_ms)
+
+
+def test_prefill_ms_counts_the_work_a_request_adds_not_only_its_wait() -> None:
+    """i0 holds 10,000 of the 12,000 prompt tokens (1,000 ms of prefill saved) but is
+    1,500 ms busier: the request itself waits less on the idle i1 (1,200 < 1,700 ms),
+    yet there it adds 1,200 ms of prefill that every later request waits behind,
+    against 200 ms on i0. ttft_ms alone sends it away (and copies the prefix into a
+    second cache); with prefill_ms weighed too, it stays with its cache."""
+    rows = [timed_row("i0", 1500), timed_row("i1", 0)]
+    request = RequestShape(12_000, 16, {"i0": 10_000})
+    wait_only = Weights(backlog_ms=0.0, ttft_ms=0.2)
+    with_work = Weights(backlog_ms=0.0, ttft_ms=0.2, prefill_ms=0.2)
+    away = least_load(rows, wait_only, RoundRobin(), request=request).choice
+    assert away is not None and away.id == "i1"
+    ranking = least_load(rows, with_work, RoundRobin(), request=request)
+    assert ranking.choice is not None and ranking.choice.id == "i0"
+    assert ranking.scores["i0"].components["prefill_ms"] == 200
+    assert ranking.scores["i1"].components["prefill_ms"] == 1200
+    # Without a cache credit it is the same on every candidate: the order is the load's.
+    plain = least_load(rows, with_work, RoundRobin(), request=RequestShape(12_000, 16))
+    assert plain.choice is not None and plain.choice.id == "i1"
+
+
+def test_prefill_ms_is_missing_without_a_timing_model() -> None:
+    rows = [row("a", **NO_PREDICTED), row("b", **NO_PREDICTED)]
+    scores = score_rows(rows, Weights(prefill_ms=1.0), request=RequestShape(100, 1))
+    assert scores["a"].components["prefill_ms"] is None
+    assert "prefill_ms" not in scores["a"].weighted_components

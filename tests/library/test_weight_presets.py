@@ -36,15 +36,18 @@ def test_default_is_the_ttft_preset() -> None:
     assert DEFAULT_WEIGHTS == "ttft"
     assert Settings().weights == Weights.preset("ttft")
     ttft = Weights.preset("ttft")
-    assert (ttft.backlog_ms, ttft.ttft_ms) == (0.0, 0.2)
-    assert {k: v for k, v in ttft.as_dict().items() if k not in ("backlog_ms", "ttft_ms")} == {
-        k: v for k, v in Weights().as_dict().items() if k not in ("backlog_ms", "ttft_ms")
+    assert (ttft.backlog_ms, ttft.ttft_ms, ttft.prefill_ms) == (0.0, 0.2, 0.2)
+    ms_valued = ("backlog_ms", "ttft_ms", "prefill_ms")
+    assert {k: v for k, v in ttft.as_dict().items() if k not in ms_valued} == {
+        k: v for k, v in Weights().as_dict().items() if k not in ms_valued
     }
 
 
 def test_presets_parse_with_overrides() -> None:
     assert Weights.parse("seed") == Weights()
-    assert Weights.parse("ttft,inflight=2") == Weights(backlog_ms=0.0, ttft_ms=0.2, inflight=2.0)
+    assert Weights.parse("ttft,inflight=2") == Weights(
+        backlog_ms=0.0, ttft_ms=0.2, prefill_ms=0.2, inflight=2.0
+    )
     assert Weights.parse("backlog_ms=0.05") == Weights(backlog_ms=0.05)  # on the seed's
     with pytest.raises(InvalidArgumentError, match="unknown weights preset"):
         Weights.parse("fastest")
