@@ -742,7 +742,7 @@ class Coordinator:
         )
         if per_request <= 0 or saved_ms <= 0:
             return 0
-        return int(saved_ms * w.ttft_ms / per_request)
+        return int(saved_ms * (w.ttft_ms + w.prefill_ms) / per_request)
 
     def _rank_for_reserve(
         self, strategy: str | None, skip: frozenset[str], request: RequestShape
