@@ -19,8 +19,10 @@ import numpy.typing as npt
 from coordinator.models import (
     HINT_NAMES,
     MAX_PREDICTED_MS,
+    Hint,
     InstanceLoad,
     InstanceRow,
+    InstanceSpec,
     RequestShape,
 )
 from coordinator.pressure import instance_load
@@ -77,6 +79,9 @@ class ColumnarPool:
         self._mixed: Bools = np.zeros(0, dtype=bool)
         self._room: Bools = np.zeros(0, dtype=bool)
         self._hinted = dict.fromkeys(HINT_NAMES, 0)  # rows holding each hint
+        # What each row's spec and hint columns were set from: a row rebuilt for a
+        # counter change keeps both objects, and their columns stay as they are.
+        self._set_from: list[tuple[InstanceSpec | None, dict[str, Hint] | None]] = []
         self._prefill: tuple[int, Floats] | None = None  # (prompt tokens, prefill ms)
         self._wmap: tuple[Weights, dict[str, float]] | None = None
 
@@ -90,6 +95,7 @@ class ColumnarPool:
             self._mixed = np.zeros(n, dtype=bool)
             self._room = np.zeros(n, dtype=bool)
             self._hinted = dict.fromkeys(HINT_NAMES, 0)
+            self._set_from = [(None, None)] * n
             self._prefill = None
             self._membership = cache.membership
             dirty = set(self.ids)
@@ -109,10 +115,8 @@ class ColumnarPool:
         c["pending"][i] = row.pending_prefill
         c["decode"][i] = row.active_decode
         c["last_seen"][i] = row.last_seen_ms
-        c["weight"][i] = spec.weight
         room = row.max_slots <= 0 or row.inflight < row.max_slots
         self._room[i] = room
-        self._mixed[i] = spec.role == "mixed"
         # backlog = max(prefill_free, next_slot) of pressure.instance_load, as one time:
         # max(0, due - now) with due the later of the prefill cursor and, when no slot
         # is free, the earliest end; unknown without a timing model or an end.
@@ -123,12 +127,19 @@ class ColumnarPool:
             elif row.earliest_end_at_ms is not None:
                 due = float(max(row.prefill_free_at_ms, row.earliest_end_at_ms))
         c["due"][i] = due
-        per_token = spec.prefill_ms_per_token or 0.0
-        overhead = spec.prefill_overhead_ms or 0.0
-        if c["prefill_per_token"][i] != per_token or c["prefill_overhead"][i] != overhead:
-            c["prefill_per_token"][i] = per_token
-            c["prefill_overhead"][i] = overhead
-            self._prefill = None
+        old_spec, old_hints = self._set_from[i]
+        self._set_from[i] = (spec, row.hints)
+        if spec is not old_spec:
+            c["weight"][i] = spec.weight
+            self._mixed[i] = spec.role == "mixed"
+            per_token = spec.prefill_ms_per_token or 0.0
+            overhead = spec.prefill_overhead_ms or 0.0
+            if c["prefill_per_token"][i] != per_token or c["prefill_overhead"][i] != overhead:
+                c["prefill_per_token"][i] = per_token
+                c["prefill_overhead"][i] = overhead
+                self._prefill = None
+        if row.hints is old_hints:
+            return
         for name in HINT_NAMES:
             hint = row.hints.get(name)
             at = c[f"{name}_at"]

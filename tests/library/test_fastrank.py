@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -160,12 +162,22 @@ def test_fast_ranking_equals_reference(
 
 @st.composite
 def edits(draw: st.DrawFn) -> tuple[list[InstanceRow], list[list[InstanceRow]]]:
-    """A pool, then rounds of changed rows (same ids): counters, timing, hints, roles."""
+    """A pool, then rounds of changed rows (same ids): counters, timing, hints, roles;
+    some keep their spec and hints objects, as a row rebuilt for a counter change does."""
     pool_rows = draw(rows())
-    rounds = [
-        [draw(row(i)) for i in draw(st.sets(st.integers(0, len(pool_rows) - 1)))]
-        for _ in range(draw(st.integers(1, 3)))
-    ]
+    current = list(pool_rows)
+    rounds = []
+    for _ in range(draw(st.integers(1, 3))):
+        changed = []
+        for i in draw(st.sets(st.integers(0, len(pool_rows) - 1))):
+            new = draw(row(i))
+            if draw(st.booleans()):
+                new = replace(new, spec=current[i].spec)
+            if draw(st.booleans()):
+                new = replace(new, hints=current[i].hints)
+            current[i] = new
+            changed.append(new)
+        rounds.append(changed)
     return pool_rows, rounds
 
 
