@@ -304,20 +304,28 @@ class ColumnarPool:
         """
         n = total.size
         best = total.min()
+        lowest = total == best
         # `==` too: when every total is inf, inf - inf is NaN and nothing would tie.
-        tied = int(np.count_nonzero((total == best) | (total - best <= TIE_EPSILON)))
-        m = min(n, max(k, tied))  # every tied one (for the rotation), then up to k
-        if m == n or n < self.sort_all_below:
-            ordered = np.argsort(total, kind="stable")[:m]
-        else:
-            cutoff = total[np.argpartition(total, m - 1)[m - 1]]
-            # Every total up to the m-th smallest, equal ones included, in id order.
-            near = np.flatnonzero(total <= cutoff)
-            ordered = near[np.argsort(total[near], kind="stable")[:m]]
+        tied_mask = lowest | (total - best <= TIE_EPSILON)
+        tied = int(np.count_nonzero(tied_mask))
         shift = rr.take() % tied
+        if tied >= k:  # the first k are tied ones: sort only those
+            if int(np.count_nonzero(lowest)) == tied:  # all equal (idle ones): id order
+                ties = np.flatnonzero(lowest)
+            else:
+                ties = np.flatnonzero(tied_mask)
+                ties = ties[np.argsort(total[ties], kind="stable")]
+            return ties.take(np.arange(shift, shift + k), mode="wrap")
+        if n <= k or n < self.sort_all_below:
+            ordered = np.argsort(total, kind="stable")[:k]
+        else:
+            cutoff = total[np.argpartition(total, k - 1)[k - 1]]
+            # Every total up to the k-th smallest, equal ones included, in id order.
+            near = np.flatnonzero(total <= cutoff)
+            ordered = near[np.argsort(total[near], kind="stable")[:k]]
         if shift:
             ordered = np.concatenate((ordered[shift:tied], ordered[:shift], ordered[tied:]))
-        return ordered[:k]
+        return ordered
 
 
 def _raw(load: InstanceLoad, ttft: float | None) -> dict[str, float | None]:

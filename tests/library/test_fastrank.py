@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,7 +13,7 @@ from coordinator.models import Hint, InstanceRow, InstanceSpec, RequestShape
 from coordinator.pressure import instance_load
 from coordinator.settings import Weights
 from coordinator.snapshot import PoolCache
-from coordinator.strategies import RoundRobin, eligible, least_load
+from coordinator.strategies import TIE_EPSILON, RoundRobin, eligible, least_load
 
 NOW = 1_000_000
 TTL, HINT_TTL = 10_000, 5_000
@@ -254,3 +255,27 @@ def test_every_total_inf_ranks_like_the_reference() -> None:
         assert all(fast_scores[r.id].total == float("inf") for r in fast)
         firsts.add(fast[0].id)
     assert firsts == {"i0", "i1", "i2"}, "tied at inf: the rotation spreads the choice"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from([0.3, 0.1 + 0.2, 0.3 + 1e-9, 1.0, 7.5, float("inf")]), min_size=1),
+    st.integers(0, 50),
+    st.integers(1, 8),
+    st.booleans(),
+)
+def test_top_k_orders_like_the_reference(
+    totals: list[float], rr_start: int, k: int, partition: bool
+) -> None:
+    """Ties within TIE_EPSILON that are not equal sort by (total, id) before rotating."""
+    columns = ColumnarPool()
+    if partition:
+        columns.sort_all_below = 0
+    known = sorted(range(len(totals)), key=lambda p: (totals[p], p))
+    best = totals[known[0]]
+    tied = [p for p in known if totals[p] == best or totals[p] - best <= TIE_EPSILON]
+    shift = rr_start % len(tied)
+    expected = (tied[shift:] + tied[:shift] + known[len(tied) :])[:k]
+    with np.errstate(invalid="ignore"):  # inf - inf, as in rank_least_load
+        top = columns._top(np.array(totals), RoundRobin(rr_start), k)
+    assert top.tolist() == expected
