@@ -79,6 +79,7 @@ class ColumnarPool:
         self._mixed: Bools = np.zeros(0, dtype=bool)
         self._room: Bools = np.zeros(0, dtype=bool)
         self._hinted = dict.fromkeys(HINT_NAMES, 0)  # rows holding each hint
+        self._weighted = 0  # rows whose weight is not 1 (x / 1.0 is x: no division)
         # What each row's spec and hint columns were set from: a row rebuilt for a
         # counter change keeps both objects, and their columns stay as they are.
         self._set_from: list[tuple[InstanceSpec | None, dict[str, Hint] | None]] = []
@@ -95,6 +96,7 @@ class ColumnarPool:
             self._mixed = np.zeros(n, dtype=bool)
             self._room = np.zeros(n, dtype=bool)
             self._hinted = dict.fromkeys(HINT_NAMES, 0)
+            self._weighted = 0
             self._set_from = [(None, None)] * n
             self._prefill = None
             self._membership = cache.membership
@@ -130,6 +132,9 @@ class ColumnarPool:
         old_spec, old_hints = self._set_from[i]
         self._set_from[i] = (spec, row.hints)
         if spec is not old_spec:
+            self._weighted += (spec.weight != 1.0) - (
+                old_spec is not None and old_spec.weight != 1.0
+            )
             c["weight"][i] = spec.weight
             self._mixed[i] = spec.role == "mixed"
             per_token = spec.prefill_ms_per_token or 0.0
@@ -226,11 +231,12 @@ class ColumnarPool:
                 w = wmap[name]
                 if w == 0.0:
                     continue  # adds 0.0: every value is finite
-                term = w * values[name]
+                term = values[name] if w == 1.0 else w * values[name]
                 total = term if total is None else total + term
             if total is None:
                 total = np.zeros(count)
-            total = total / c["weight"][sel]
+            if self._weighted:
+                total = total / c["weight"][sel]
             order = self._top(total, rr, k)
         chosen = order if eligible is None else eligible[order]
         sources = {
