@@ -247,6 +247,7 @@ class ColumnarPool:
         }
         totals = total[order].tolist()
         ttfts = ttft[order].tolist() if ttft is not None else None
+        shown = dict(wmap)  # the scores' own copy: the kept one is never handed out
         loads: list[InstanceLoad] = []
         scores: dict[str, Score] = {}
         for j, i in enumerate(chosen.tolist()):
@@ -257,7 +258,7 @@ class ColumnarPool:
             loads.append(load)
             raw = _raw(load, None if ttfts is None else ttfts[j])
             weighted = {name: wmap[name] * raw[name] for name in used}  # type: ignore[operator]
-            scores[iid] = Score(iid, totals[j], raw, weighted, dict(sources), wmap)
+            scores[iid] = Score(iid, totals[j], raw, weighted, dict(sources), shown)
         return loads, scores
 
     def backlogs(
