@@ -127,6 +127,7 @@ class Stats:
     pool_losses: int = 0  # run_id changed: Redis lost the pool
     write_refusals: int = 0  # OOM / READONLY / MISCONF / NOREPLICAS replies
     unrestorable: int = 0  # reservations a re-assert could not restore
+    carry_calls: int = 0  # held marks and releases sent in their own call (no reserve came)
 
 
 class Coordinator:
@@ -919,6 +920,7 @@ class Coordinator:
             args: list[Any] = [len(held)]
             for op, rid, _ in held:
                 args += [op, rid]
+            self.stats.carry_calls += 1
             try:
                 reply = await self._call("carry", args, (self._node_rids,))
             except CoordinationUnavailableError:

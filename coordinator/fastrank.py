@@ -19,8 +19,10 @@ import numpy.typing as npt
 from coordinator.models import (
     HINT_NAMES,
     MAX_PREDICTED_MS,
+    Hint,
     InstanceLoad,
     InstanceRow,
+    InstanceSpec,
     RequestShape,
 )
 from coordinator.pressure import instance_load
@@ -37,31 +39,52 @@ from coordinator.strategies import (
 )
 
 Floats = npt.NDArray[np.float64]
+Bools = npt.NDArray[np.bool_]
+Positions = npt.NDArray[np.intp]
 NAN = float("nan")
-
-
-def _backlog(c: dict[str, Floats], sel: slice | npt.NDArray[np.intp], now: int) -> Floats:
-    """predicted_total_backlog_ms of the selected rows (NaN without a timing model)."""
-    timed = c["timed"][sel] == 1.0
-    infl = c["inflight"][sel]
-    prefill_free = np.where(timed, np.maximum(0.0, c["prefill_free_at"][sel] - now), NAN)
-    max_slots = c["max_slots"][sel]
-    has_room = (max_slots <= 0) | (infl < max_slots)
-    end = c["earliest_end"][sel]
-    next_slot = np.where(
-        has_room, 0.0, np.where(timed & ~np.isnan(end), np.maximum(0.0, end - now), NAN)
-    )
-    return np.maximum(prefill_free, next_slot)  # NaN if either is NaN
+# Float columns, one entry per instance in id order. `due` is the Redis time the
+# instance's predicted backlog ends (NaN when it cannot be predicted): what the
+# reference derives from the timing model, the slot count and the two cursors,
+# folded per row when the row changes, so a decision only subtracts `now`.
+FLOAT_COLUMNS = (
+    "inflight",
+    "pending",
+    "decode",
+    "last_seen",
+    "weight",
+    "prefill_per_token",
+    "prefill_overhead",
+    "due",
+    *HINT_NAMES,
+    *(f"{h}_at" for h in HINT_NAMES),
+)
 
 
 class ColumnarPool:
-    """The cache's rows as numpy columns, in id order (the reference's tie order)."""
+    """The cache's rows as numpy columns, in id order (the reference's tie order).
+
+    Everything that depends only on the rows (not on `now` or the request) is kept
+    per row and updated with the rows a view changed, so a decision costs a few
+    array operations whatever the pool size.
+    """
+
+    # Below this many candidates one stable sort is cheaper than a partition.
+    sort_all_below = 256
 
     def __init__(self) -> None:
         self.ids: list[str] = []
         self.index: dict[str, int] = {}
         self._membership = -1
         self._cols: dict[str, Floats] = {}
+        self._mixed: Bools = np.zeros(0, dtype=bool)
+        self._room: Bools = np.zeros(0, dtype=bool)
+        self._hinted = dict.fromkeys(HINT_NAMES, 0)  # rows holding each hint
+        self._weighted = 0  # rows whose weight is not 1 (x / 1.0 is x: no division)
+        # What each row's spec and hint columns were set from: a row rebuilt for a
+        # counter change keeps both objects, and their columns stay as they are.
+        self._set_from: list[tuple[InstanceSpec | None, dict[str, Hint] | None]] = []
+        self._prefill: tuple[int, Floats] | None = None  # (prompt tokens, prefill ms)
+        self._wmap: tuple[Weights, dict[str, float]] | None = None
 
     def sync(self, cache: PoolCache) -> None:
         """Bring the columns up to date with the cache: O(changed rows)."""
@@ -69,23 +92,13 @@ class ColumnarPool:
             self.ids = sorted(cache.rows)
             self.index = {iid: i for i, iid in enumerate(self.ids)}
             n = len(self.ids)
-            names = (
-                "inflight",
-                "pending",
-                "decode",
-                "prefill_free_at",
-                "earliest_end",
-                "max_slots",
-                "last_seen",
-                "timed",
-                "mixed",
-                "weight",
-                "prefill_per_token",
-                "prefill_overhead",
-                *HINT_NAMES,
-                *(f"{h}_at" for h in HINT_NAMES),
-            )
-            self._cols = {name: np.full(n, NAN) for name in names}
+            self._cols = {name: np.full(n, NAN) for name in FLOAT_COLUMNS}
+            self._mixed = np.zeros(n, dtype=bool)
+            self._room = np.zeros(n, dtype=bool)
+            self._hinted = dict.fromkeys(HINT_NAMES, 0)
+            self._weighted = 0
+            self._set_from = [(None, None)] * n
+            self._prefill = None
             self._membership = cache.membership
             dirty = set(self.ids)
         else:
@@ -99,22 +112,51 @@ class ColumnarPool:
 
     def _set_row(self, i: int, row: InstanceRow) -> None:
         c = self._cols
+        spec = row.spec
         c["inflight"][i] = row.inflight
         c["pending"][i] = row.pending_prefill
         c["decode"][i] = row.active_decode
-        c["prefill_free_at"][i] = row.prefill_free_at_ms
-        c["earliest_end"][i] = NAN if row.earliest_end_at_ms is None else row.earliest_end_at_ms
-        c["max_slots"][i] = row.max_slots
         c["last_seen"][i] = row.last_seen_ms
-        c["timed"][i] = 1.0 if row.spec.has_timing else 0.0
-        c["mixed"][i] = 1.0 if row.spec.role == "mixed" else 0.0
-        c["weight"][i] = row.spec.weight
-        c["prefill_per_token"][i] = row.spec.prefill_ms_per_token or 0.0
-        c["prefill_overhead"][i] = row.spec.prefill_overhead_ms or 0.0
+        room = row.max_slots <= 0 or row.inflight < row.max_slots
+        self._room[i] = room
+        # backlog = max(prefill_free, next_slot) of pressure.instance_load, as one time:
+        # max(0, due - now) with due the later of the prefill cursor and, when no slot
+        # is free, the earliest end; unknown without a timing model or an end.
+        due = NAN
+        if spec.has_timing:
+            if room:
+                due = float(row.prefill_free_at_ms)
+            elif row.earliest_end_at_ms is not None:
+                due = float(max(row.prefill_free_at_ms, row.earliest_end_at_ms))
+        c["due"][i] = due
+        old_spec, old_hints = self._set_from[i]
+        self._set_from[i] = (spec, row.hints)
+        if spec is not old_spec:
+            self._weighted += (spec.weight != 1.0) - (
+                old_spec is not None and old_spec.weight != 1.0
+            )
+            c["weight"][i] = spec.weight
+            self._mixed[i] = spec.role == "mixed"
+            per_token = spec.prefill_ms_per_token or 0.0
+            overhead = spec.prefill_overhead_ms or 0.0
+            if c["prefill_per_token"][i] != per_token or c["prefill_overhead"][i] != overhead:
+                c["prefill_per_token"][i] = per_token
+                c["prefill_overhead"][i] = overhead
+                self._prefill = None
+        if row.hints is old_hints:
+            return
         for name in HINT_NAMES:
             hint = row.hints.get(name)
+            at = c[f"{name}_at"]
+            self._hinted[name] += (hint is not None) - (not math.isnan(at[i]))
             c[name][i] = NAN if hint is None else hint.value
-            c[f"{name}_at"][i] = NAN if hint is None else hint.at_ms
+            at[i] = NAN if hint is None else hint.at_ms
+
+    def _weights(self, weights: Weights) -> dict[str, float]:
+        """weights.as_dict(), kept while the same Weights object is passed."""
+        if self._wmap is None or self._wmap[0] is not weights:
+            self._wmap = (weights, weights.as_dict())
+        return self._wmap[1]
 
     def rank_least_load(
         self,
@@ -137,72 +179,95 @@ class ColumnarPool:
         """
         self.sync(cache)
         c = self._cols
-        inflight, pending = c["inflight"], c["pending"]
-        mask = (now - c["last_seen"] <= instance_ttl_ms) & (c["mixed"] == 1.0)
+        mask = (now - c["last_seen"] <= instance_ttl_ms) & self._mixed
         if room_only:
-            mask &= (c["max_slots"] <= 0) | (inflight < c["max_slots"])
-        eligible = np.flatnonzero(mask)
-        if eligible.size == 0:
+            mask &= self._room
+        count = int(np.count_nonzero(mask))
+        if count == 0:
             return [], {}
         # Every row eligible (the usual case): views instead of fancy-indexed copies.
-        sel: slice | npt.NDArray[np.intp] = (
-            slice(None) if eligible.size == len(self.ids) else eligible
-        )
-        infl = inflight[sel]
-        backlog = _backlog(c, sel, now)
-        known_pred = ~np.isnan(backlog)
-        values: dict[str, Floats] = {
-            "inflight": infl,
-            "pending_prefill": np.where(known_pred, pending[sel], NAN),
-            "active_decode": np.where(known_pred, c["decode"][sel], NAN),
-            "backlog_ms": backlog,
-        }
+        sel: slice | Positions
+        if count == len(self.ids):
+            eligible = None
+            sel = slice(None)
+        else:
+            eligible = np.flatnonzero(mask)
+            sel = eligible
+        backlog = np.maximum(0.0, c["due"][sel] - now)  # NaN where unknown
+        complete = {"inflight": True}
+        values: dict[str, Floats] = {"inflight": c["inflight"][sel]}
+        predicted = int(np.count_nonzero(np.isnan(backlog))) == 0
+        if predicted:
+            values["pending_prefill"] = c["pending"][sel]
+            values["active_decode"] = c["decode"][sel]
+            values["backlog_ms"] = backlog
+        ttft: Floats | None = None
+        prefill: Floats | None = None
         if request is not None:
-            prefill = np.where(known_pred, self._prefill_ms(c, sel, eligible, request), NAN)
-            values["ttft_ms"] = backlog + prefill
-            values["prefill_ms"] = prefill
+            prefill = self._prefill_ms(request)[sel]
+            ttft = backlog + prefill
+            if predicted:
+                values["ttft_ms"] = ttft
+                values["prefill_ms"] = prefill
+        for name in PREDICTED:
+            complete[name] = predicted and name in values
         for name in INSTANTANEOUS:
-            at = c[f"{name}_at"][sel]
-            missing = np.isnan(at)
-            if missing.all():
-                values[name] = at  # all NaN: the hint is nowhere
-                continue
-            fresh = ~missing & (np.maximum(0.0, now - at) <= hint_ttl_ms)
-            values[name] = np.where(fresh, c[name][sel], NAN)
+            complete[name] = False
+            if self._hinted[name] < count:
+                continue  # some candidate has no such hint at all
+            hint = c[name][sel]
+            # NaN (no hint) compares False: a missing hint is never fresh.
+            fresh = np.maximum(0.0, now - c[f"{name}_at"][sel]) <= hint_ttl_ms
+            if int(np.count_nonzero(fresh)) == count:
+                complete[name] = True
+                values[name] = hint
         used = [
             name
             for names in (LIFECYCLE, INSTANTANEOUS, PREDICTED)
             for name in names
-            if name in values and not np.isnan(values[name]).any()
+            if complete[name]
         ]
-        wmap = weights.as_dict()
-        total = np.zeros(eligible.size)
+        wmap = self._weights(weights)
+        total: Floats | None = None
         # Valid weights may overflow to inf (as in the reference's float sums).
         with np.errstate(over="ignore", invalid="ignore"):
             for name in used:
-                total = total + wmap[name] * values[name]
-            total = total / c["weight"][eligible]
-            order = self._top(total, eligible, rr, k)
-        chosen = eligible[order]
+                w = wmap[name]
+                if w == 0.0:
+                    continue  # adds 0.0: every value is finite
+                term = values[name] if w == 1.0 else w * values[name]
+                total = term if total is None else total + term
+            if total is None:
+                total = np.zeros(count)
+            if self._weighted:
+                total = total / c["weight"][sel]
+            order = self._top(total, rr, k)
+        chosen = order if eligible is None else eligible[order]
         sources = {
             layer: ("hints" if layer == "instantaneous" else "reservations")
             if any(n in used for n in names)
             else "missing"
             for layer, names in LAYERS.items()
         }
+        totals = total[order].tolist()
+        ttfts = ttft[order].tolist() if ttft is not None else None
+        prefills = prefill[order].tolist() if prefill is not None else None
+        shown = dict(wmap)  # the scores' own copy: the kept one is never handed out
         loads: list[InstanceLoad] = []
         scores: dict[str, Score] = {}
-        picked = {name: values[name][order].tolist() for name in wmap if name in values}
-        totals = total[order].tolist()
         for j, i in enumerate(chosen.tolist()):
             iid = self.ids[i]
-            row = cache.rows[iid]
-            loads.append(
-                instance_load(row, now, instance_ttl_ms=instance_ttl_ms, hint_ttl_ms=hint_ttl_ms)
+            load = instance_load(
+                cache.rows[iid], now, instance_ttl_ms=instance_ttl_ms, hint_ttl_ms=hint_ttl_ms
             )
-            raw = {name: None if math.isnan(v[j]) else v[j] for name, v in picked.items()}
-            weighted = {name: wmap[name] * picked[name][j] for name in used}
-            scores[iid] = Score(iid, totals[j], raw, weighted, dict(sources), wmap)
+            loads.append(load)
+            raw = _raw(
+                load,
+                None if ttfts is None else ttfts[j],
+                None if prefills is None else prefills[j],
+            )
+            weighted = {name: wmap[name] * raw[name] for name in used}  # type: ignore[operator]
+            scores[iid] = Score(iid, totals[j], raw, weighted, dict(sources), shown)
         return loads, scores
 
     def backlogs(
@@ -212,8 +277,8 @@ class ColumnarPool:
         `ids` (those known and alive), in ms: what the prefix hot-spot guard compares."""
         self.sync(cache)
         c = self._cols
-        mask = (now - c["last_seen"] <= instance_ttl_ms) & (c["mixed"] == 1.0)
-        backlog = np.where(mask, _backlog(c, slice(None), now), NAN)
+        mask = (now - c["last_seen"] <= instance_ttl_ms) & self._mixed
+        backlog = np.where(mask, np.maximum(0.0, c["due"] - now), NAN)
         known = backlog[~np.isnan(backlog)]
         floor = float(known.min()) if known.size else None
         out = {}
@@ -223,44 +288,78 @@ class ColumnarPool:
                 out[iid] = float(backlog[i])
         return floor, out
 
-    def _prefill_ms(
-        self,
-        c: dict[str, Floats],
-        sel: slice | npt.NDArray[np.intp],
-        eligible: npt.NDArray[np.intp],
-        request: RequestShape,
-    ) -> Floats:
-        """InstanceSpec.prefill_ms of each candidate's uncached prompt, as a column."""
-        tokens = np.full(eligible.size, float(request.prompt_tokens))
-        for iid in request.cached_tokens:  # few entries: O(log n) each
+    def _prefill_ms(self, request: RequestShape) -> Floats:
+        """InstanceSpec.prefill_ms of each row's uncached prompt, as a column (kept for
+        the last prompt size until a timing model changes)."""
+        tokens = request.prompt_tokens
+        if self._prefill is None or self._prefill[0] != tokens:
+            c = self._cols
+            raw = c["prefill_overhead"] + c["prefill_per_token"] * float(tokens)
+            column = np.where(raw > 0, np.minimum(np.ceil(raw), float(MAX_PREDICTED_MS)), 0.0)
+            self._prefill = (tokens, column)
+        column = self._prefill[1]
+        if not request.cached_tokens:
+            return column
+        column = column.copy()
+        c = self._cols
+        for iid in request.cached_tokens:
             i = self.index.get(iid)
             if i is None:
                 continue
-            j = int(np.searchsorted(eligible, i))
-            if j < eligible.size and eligible[j] == i:
-                tokens[j] = request.uncached_on(iid)
-        raw = c["prefill_overhead"][sel] + c["prefill_per_token"][sel] * tokens
-        return np.where(raw > 0, np.minimum(np.ceil(raw), float(MAX_PREDICTED_MS)), 0.0)
+            raw = c["prefill_overhead"][i] + c["prefill_per_token"][i] * float(
+                request.uncached_on(iid)
+            )
+            column[i] = min(np.ceil(raw), float(MAX_PREDICTED_MS)) if raw > 0 else 0.0
+        return column
 
-    @staticmethod
-    def _top(total: Floats, eligible: npt.NDArray[np.intp], rr: RoundRobin, k: int) -> list[int]:
-        """Positions of the first k: tied minimum rotated by rr, then (total, id) order."""
-        best = float(total.min())
+    def _top(self, total: Floats, rr: RoundRobin, k: int) -> Positions:
+        """Positions of the first k: tied minimum rotated by rr, then (total, id) order.
+
+        Positions are in id order, so a stable sort by total is the (total, id) order,
+        and the tied minimum is a prefix of it.
+        """
+        n = total.size
+        best = total.min()
+        lowest = total == best
         # `==` too: when every total is inf, inf - inf is NaN and nothing would tie.
-        tied = np.flatnonzero((total == best) | (total - best <= TIE_EPSILON))
-        tied = tied[np.lexsort((eligible[tied], total[tied]))]
-        shift = rr.take() % tied.size
-        head = [int(p) for p in np.concatenate((tied[shift:], tied[:shift]))[:k]]
-        need = k - len(head)
-        if need <= 0:
-            return head
-        rest_mask = np.ones(total.size, dtype=bool)
-        rest_mask[tied] = False
-        rest = np.flatnonzero(rest_mask)
-        if rest.size > need:
-            part = np.argpartition(total[rest], need - 1)[:need]
-            # argpartition may split equal totals arbitrarily; widen to every equal value.
-            cutoff = total[rest][part].max()
-            rest = rest[total[rest] <= cutoff]
-        rest = rest[np.lexsort((eligible[rest], total[rest]))][:need]
-        return head + [int(p) for p in rest]
+        tied_mask = lowest | (total - best <= TIE_EPSILON)
+        tied = int(np.count_nonzero(tied_mask))
+        shift = rr.take() % tied
+        if tied >= k:  # the first k are tied ones: sort only those
+            if int(np.count_nonzero(lowest)) == tied:  # all equal (idle ones): id order
+                ties = np.flatnonzero(lowest)
+            else:
+                ties = np.flatnonzero(tied_mask)
+                ties = ties[np.argsort(total[ties], kind="stable")]
+            return ties.take(np.arange(shift, shift + k), mode="wrap")
+        if n <= k or n < self.sort_all_below:
+            ordered = np.argsort(total, kind="stable")[:k]
+        else:
+            cutoff = total[np.argpartition(total, k - 1)[k - 1]]
+            # Every total up to the k-th smallest, equal ones included, in id order.
+            near = np.flatnonzero(total <= cutoff)
+            ordered = near[np.argsort(total[near], kind="stable")[:k]]
+        if shift:
+            ordered = np.concatenate((ordered[shift:tied], ordered[:shift], ordered[tied:]))
+        return ordered
+
+
+def _raw(load: InstanceLoad, ttft: float | None, prefill: float | None) -> dict[str, float | None]:
+    """The reference's raw components of one candidate (strategies._raw_components),
+    as floats; `ttft` and `prefill` are its ttft_ms and prefill_ms column values (None
+    without a request)."""
+    backlog = load.predicted_total_backlog_ms
+    known = backlog is not None
+    raw: dict[str, float | None] = {
+        "inflight": float(load.inflight or 0),
+        "engine_running": load.engine_running,
+        "engine_waiting": load.engine_waiting,
+        "queue_depth": load.queue_depth,
+        "pending_prefill": float(load.pending_prefill_count or 0) if known else None,
+        "active_decode": float(load.active_decode_count or 0) if known else None,
+        "backlog_ms": float(backlog) if backlog is not None else None,
+    }
+    if ttft is not None:
+        raw["ttft_ms"] = ttft if known else None
+        raw["prefill_ms"] = prefill if known else None
+    return raw

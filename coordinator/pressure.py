@@ -31,32 +31,39 @@ def instance_load(
     backlog = (
         max(prefill_free, next_slot) if prefill_free is not None and next_slot is not None else None
     )
-    fresh: dict[str, float | None] = dict.fromkeys(HINT_NAMES)
     ages: dict[str, int] = {}
-    for name, hint in row.hints.items():
-        age = max(0, now_ms - hint.at_ms)
-        ages[name] = age
-        if age <= hint_ttl_ms:
-            fresh[name] = hint.value
+    running = waiting = depth = None
+    if row.hints:
+        fresh: dict[str, float | None] = dict.fromkeys(HINT_NAMES)
+        for name, hint in row.hints.items():
+            age = max(0, now_ms - hint.at_ms)
+            ages[name] = age
+            if age <= hint_ttl_ms:
+                fresh[name] = hint.value
+        running = fresh["engine_running"]
+        waiting = fresh["engine_waiting"]
+        depth = fresh["queue_depth"]
+    seen_age = now_ms - row.last_seen_ms
+    # Positional, in field order: a decision builds k of these.
     return InstanceLoad(
-        id=row.id,
-        url=spec.url,
-        role=spec.role,
-        weight=spec.weight,
-        epoch=row.epoch,
-        alive=now_ms - row.last_seen_ms <= instance_ttl_ms,
-        last_seen_age_ms=max(0, now_ms - row.last_seen_ms),
-        max_slots=row.max_slots,
-        inflight=row.inflight,
-        pending_prefill_count=row.pending_prefill,
-        active_decode_count=row.active_decode,
-        next_slot_ready_in_ms=next_slot,
-        prefill_free_in_ms=prefill_free,
-        predicted_total_backlog_ms=backlog,
-        engine_running=fresh["engine_running"],
-        engine_waiting=fresh["engine_waiting"],
-        queue_depth=fresh["queue_depth"],
-        hint_ages_ms=ages,
-        spec=spec,
-        timing=row.timing,
+        row.id,
+        spec.url,
+        spec.role,
+        spec.weight,
+        row.epoch,
+        seen_age <= instance_ttl_ms,
+        max(0, seen_age),
+        row.max_slots,
+        row.inflight,
+        row.pending_prefill,
+        row.active_decode,
+        next_slot,
+        prefill_free,
+        backlog,
+        running,
+        waiting,
+        depth,
+        ages,
+        spec,
+        row.timing,
     )

@@ -112,7 +112,7 @@ class Settings:
     live_refresh_ms: int = 2_000  # liveness and hints are re-read this often (<= ttl/4)
     # first_token_soon/release_soon (the proxy's) ride on the node's next reserve, or
     # go in one call after this long: one Redis call per request instead of three.
-    carry_ms: int = 5  # 0 = send each at once
+    carry_ms: int = 20  # 0 = send each at once
     strategy: str = "least_load"  # default selection strategy
     weights: Weights = field(default_factory=lambda: Weights.preset(DEFAULT_WEIGHTS))
     # Prefix-cache affinity (coordinator/prefix.py, docs/security.md).

@@ -13,6 +13,7 @@ from coordinator.models import InstanceLoad, InstanceRow, InstanceSpec
 from coordinator.packed import (
     LIVE_BYTES,
     STATE_BYTES,
+    LiveRecord,
     as_bytes,
     as_text,
     changed_slots,
@@ -82,6 +83,9 @@ class PoolCache:
     state_ver: int = -1  # every record of `state` is at least this new (-1: none read)
     ahead: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # slot: newer record
     live: bytes = b""
+    # Decoded `live` records by slot: a patch of `state` rebuilds a row without
+    # decoding its unchanged liveness again. Dropped for the slots `live` changes.
+    live_records: dict[int, LiveRecord] = field(default_factory=dict)
     rows_applied: int = 0  # rows rebuilt since start (for benchmarks)
     dirty: set[str] = field(default_factory=set)  # ids changed since the ranker last synced
     membership: int = 0  # bumps whenever an id is added or removed
@@ -113,6 +117,7 @@ class PoolCache:
         self.slot_ids.clear()
         self._resolved.clear()
         self.state = self.live = b""
+        self.live_records.clear()
         self.state_ver = -1
         self.ahead.clear()
         self.live_mono = -1e18  # liveness must be read again
@@ -161,7 +166,10 @@ class PoolCache:
             self.live_mono = self.clock_mono
             new_live = as_bytes(live)
             if new_live != self.live:
-                touched.update(changed_slots(self.live, new_live, LIVE_BYTES))
+                changed = changed_slots(self.live, new_live, LIVE_BYTES)
+                for slot in changed:
+                    self.live_records.pop(slot, None)
+                touched.update(changed)
                 self.live = new_live
         self._rebuild(touched)
 
@@ -274,7 +282,9 @@ class PoolCache:
         """(Re)build one row from its spec entry and its packed records."""
         entry = self.entries[iid]
         state = unpack_state(self.state, entry.slot)
-        live = unpack_live(self.live, entry.slot)
+        live = self.live_records.get(entry.slot)
+        if live is None:
+            live = self.live_records[entry.slot] = unpack_live(self.live, entry.slot)
         self.rows_applied += 1
         self.dirty.add(iid)
         spec, timing = self._timing_of(iid, entry)

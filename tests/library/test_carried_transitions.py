@@ -77,6 +77,7 @@ async def test_held_transitions_go_by_themselves_after_carry_ms(
 
     await wait_for(released, what="the held release to be sent")
     assert calls == {"carry": 1}, "both in one call"
+    assert c.stats.carry_calls == 1
     await assert_counters_match_reservations(c)
 
 

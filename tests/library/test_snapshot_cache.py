@@ -11,7 +11,9 @@ import pytest
 from coordinator import Coordinator
 from coordinator import coordinator as coordinator_module
 from coordinator.errors import CoordinationUnavailableError
-from coordinator.packed import LIVE_BYTES, STATE_BYTES
+from coordinator.models import Hint
+from coordinator.packed import LIVE_BYTES, STATE_BYTES, LiveRecord, pack_live
+from coordinator.snapshot import PoolCache
 from tests.conftest import MakeCoordinator
 from tests.helpers import (
     assert_counters_match_reservations,
@@ -364,3 +366,32 @@ async def test_a_view_follows_redis_back_to_an_older_state_ver(
     await a.refresh()
     assert a._cache.rows[res.instance_id].inflight == 0
     await assert_view_is_current(a, make_coordinator)
+
+
+def state_record(pending: int) -> bytes:
+    """A `state` record with `pending` prefills (3 base-128 digits) and nothing else."""
+    return bytes((0, pending >> 7, pending & 0x7F)) + bytes(STATE_BYTES - 3)
+
+
+def test_a_patch_after_new_liveness_builds_the_new_liveness() -> None:
+    """Patches reuse the decoded `live` record of their slot: a new `live` must drop it."""
+    now = 1_000_000
+    s = spec(0)
+    cache = PoolCache()
+    cache.apply_view("run", 0, now, state_record(0), pack_live(LiveRecord(now - 5)), 0)
+    cache.apply_specs([s.id, s.to_json(), 1, 0, 0], full=True)
+    cache.apply_patch(1, 0, state_record(1))
+    assert cache.rows[s.id].last_seen_ms == now - 5
+    assert cache.rows[s.id].pending_prefill == 1
+
+    hints = {"queue_depth": Hint(3.0, now + 10)}
+    cache.apply_view("run", 0, now + 10, None, pack_live(LiveRecord(now + 10, hints)), 1, -1)
+    assert cache.rows[s.id].last_seen_ms == now + 10
+    cache.apply_patch(2, 0, state_record(2))
+    row = cache.rows[s.id]
+    assert (row.last_seen_ms, row.hints, row.pending_prefill) == (now + 10, hints, 2)
+
+    fresh = PoolCache()
+    fresh.apply_view("run", 0, now + 10, cache.state, cache.live, 2)
+    fresh.apply_specs([s.id, s.to_json(), 1, 0, 0], full=True)
+    assert fresh.rows == cache.rows
