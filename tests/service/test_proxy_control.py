@@ -152,7 +152,11 @@ async def test_token_guards_writes_and_leaves_reads_open(harness: Harness) -> No
 
 
 async def decoding(node: NodeServer, n: int) -> bool:
-    return sum((await counters(node.coordinator))["active_decode"].values()) == n
+    """n first tokens marked, in Redis and in the node's own view (the mark rides on a
+    later call, carry_ms, and its reply brings the view the changed record)."""
+    c = node.coordinator
+    in_view = sum(row.active_decode for row in c._cache.rows.values())
+    return in_view == n and sum((await counters(c))["active_decode"].values()) == n
 
 
 def _absolute(view: dict[str, Any]) -> dict[str, Any]:
@@ -171,8 +175,10 @@ async def test_debug_instance_loads_is_the_snapshot_selection_uses(harness: Harn
     engines = [await harness.engine(gate_after=1) for _ in range(3)]
     node = await harness.node()
     base = node.control_url + "/v1/instances"
-    # Far apart: the default weights also count each request's predicted TTFT.
-    for i, (engine, running) in enumerate(zip(engines, (0, 5, 9), strict=True)):
+    # Far apart: the default weights also count each request's predicted TTFT, and e0's
+    # first request teaches the node e0's prefill speed (a `scaled` estimate from one
+    # sample, through the proxy: slower than the default the others keep).
+    for i, (engine, running) in enumerate(zip(engines, (0, 20, 40), strict=True)):
         assert (await call(harness, "POST", base, {"id": f"e{i}", "url": engine.url}))[0] == 201
         hints = {"engine_running": running, "engine_waiting": 1}
         assert (await call(harness, "POST", f"{base}/e{i}/heartbeat", hints))[0] == 200
@@ -210,7 +216,7 @@ async def test_debug_instance_loads_is_the_snapshot_selection_uses(harness: Harn
     # default timing turns the predicted layer on; no prefill is pending, no backlog)
     assert rows["e0"]["least_load_score"]["total"] == pytest.approx(3.25)
     assert rows["e0"]["least_load_score"]["sources"]["instantaneous"] == "hints"
-    assert rows["e2"]["hints"]["engine_running"]["value"] == 9
+    assert rows["e2"]["hints"]["engine_running"]["value"] == 40
     assert view["node_id"] == coordinator.node_id and view["pool"] == coordinator.pool
     assert view["coordination"] == "ok" and view["weights"]["inflight"] == 1.0
     for engine in engines:
