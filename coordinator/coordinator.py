@@ -959,17 +959,13 @@ class Coordinator:
         await self.flush_carried()
 
     def _mark_locally(self, rid: str) -> LocalReservation | None:
-        if not isinstance(rid, str) or not ID_RE.fullmatch(rid):
-            raise InvalidArgumentError(f"rid {rid!r} is not a valid id")
-        res = self._local.get(rid)
+        res = self._local.get(_checked_rid(rid))
         if res is not None:
             res.phase = "decode"
         return res
 
     def _release_locally(self, rid: str) -> LocalReservation | None:
-        if not isinstance(rid, str) or not ID_RE.fullmatch(rid):
-            raise InvalidArgumentError(f"rid {rid!r} is not a valid id")
-        return self._local.pop(rid, None)
+        return self._local.pop(_checked_rid(rid), None)
 
     async def _send_first_token(self, rid: str, res: LocalReservation | None) -> bool:
         try:
@@ -1414,6 +1410,12 @@ class Coordinator:
 
 
 __all__ = ["Coordinator", "LocalReservation", "RegisterResult", "Stats", "UnknownInstanceError"]
+
+
+def _checked_rid(rid: str) -> str:
+    if not isinstance(rid, str) or not ID_RE.fullmatch(rid):
+        raise InvalidArgumentError(f"rid {rid!r} is not a valid id")
+    return rid
 
 
 def _checked_cached(cached: Mapping[str, int]) -> Mapping[str, int]:

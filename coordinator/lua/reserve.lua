@@ -23,7 +23,10 @@
 -- ARGV[11 + 5n] (optional) = m, then m pairs {'f' | 'r', rid}: first-token marks and
 --   releases of this node's reservations that ride along with this call (the node
 --   holds them back a few ms for its next reserve, so a request costs one call, not
---   three). They are applied first, in order, whatever this call's status.
+--   three). They are applied in order, whatever this call's status: after it decided
+--   (which reads the state the caller's view also predates them in) and before its
+--   own writes. A release of ARGV[1] itself (a retry elsewhere under the same rid)
+--   makes the rid new again instead of a 'dup'.
 -- returns {'ok'|'dup', instance, epoch, predicted_ttft_ms, prefill_ms, decode_ms,
 --          carried, view}
 --       | {'nolease', carried, view}  ARGV[8] = 0 and the node's lease is gone
