@@ -90,13 +90,15 @@ def scaled(
     )
 
 
-def popular_prefix(seed: int = 1) -> list[TraceRequest]:
+def popular_prefix(
+    seed: int = 1, count: int = POPULAR_REQUESTS, shared: int = POPULAR_BLOCKS
+) -> list[TraceRequest]:
     """Poisson arrivals that all start with the same long prefix (a shared document)."""
     rng = random.Random(seed)
     out, at = [], 0.0
-    for i in range(POPULAR_REQUESTS):
+    for i in range(count):
         at += rng.expovariate(1.0)
-        blocks = (*range(POPULAR_BLOCKS), 1_000_000 + 2 * i, 1_000_001 + 2 * i)
+        blocks = (*range(shared), 1_000_000 + 2 * i, 1_000_001 + 2 * i)
         output = max(1, int(rng.lognormvariate(4.0, 1.0)))
         out.append(TraceRequest(i, at, len(blocks) * 512, output, blocks))
     return out

@@ -7,6 +7,7 @@ import math
 import random
 from dataclasses import replace
 
+from bench.prefix_report import popular_prefix
 from bench.sim.prefix_policies import (
     HashRing,
     SglangThresholds,
@@ -114,24 +115,12 @@ def test_prefix_replays_are_deterministic_and_affinity_hits_more() -> None:
     assert math.isnan(simulate(requests, "least_load", SimConfig(instances=4)).prefix_hit_rate)
 
 
-def popular_prefix(count: int = 600, shared: int = 80) -> list[TraceRequest]:
-    """Poisson arrivals that all start with one long shared prefix (a document)."""
-    rng = random.Random(1)
-    out, at = [], 0.0
-    for i in range(count):
-        at += rng.expovariate(1.0)
-        blocks = (*range(shared), 1_000_000 + 2 * i, 1_000_001 + 2 * i)
-        output = max(1, int(rng.lognormvariate(4.0, 1.0)))
-        out.append(TraceRequest(i, at, len(blocks) * 512, output, blocks))
-    return out
-
-
 def test_a_popular_prefix_spreads_while_hot_and_piles_up_without_the_hot_guard() -> None:
     """The credit a conversation's turn keeps against a busy holder (prefill_ms, the
     long guard) would pile a popular prefix onto its first holder; the short guard of
     a hot prefix spreads it over the fleet."""
     config = SimConfig(instances=8, nodes=3, prefix_cache_tokens=400_000)
-    requests = scale_to_utilization(popular_prefix(), config.timing, 8, 0.8)
+    requests = scale_to_utilization(popular_prefix(count=600, shared=80), config.timing, 8, 0.8)
     spread = simulate(requests, "least_load_affinity", config)
     assert min(spread.assigned) > 0 and spread.imbalance < 1.5
     piled = simulate(requests, "least_load_affinity", replace(config, prefix_hot_ms=0))
