@@ -320,9 +320,11 @@ def table(result: dict[str, Any], args: argparse.Namespace, seconds: float) -> s
         f"Redis round trips per proxied request, one at a time: **{per_request:.2f}** "
         f"(INFO commandstats delta over the latency run / proxied requests, counting "
         f"commands the node sends: {breakdown}); the scripts run {in_scripts:.1f} "
-        "commands per request inside Redis. A request costs reserve, mark_first_token "
-        "and release, one script call each; the remainder is the node's lease renewal "
-        "and the heartbeats keeping the instance alive.",
+        "commands per request inside Redis. A request costs one `reserve`, which also "
+        "carries the previous request's first-token mark and release (the node holds "
+        "them up to `carry_ms`; one at a time, the next request comes sooner); the "
+        "remainder is `carry` calls after a pause, the node's lease renewal and the "
+        "heartbeats keeping the instance alive.",
         "",
         f"Closed loop, {args.concurrency} concurrent clients for {args.seconds:g} s each; the "
         "node makes one decision at a time (proxy_node.forwarding). With a single "

@@ -1042,9 +1042,11 @@ def reasons(r: Results) -> list[str]:
                 "of it inside scripts. The request's one call, `reserve` carrying the previous "
                 f"request's mark and release, takes {x['reserve_carrying']:.0f} µs inside Redis "
                 f"(section 2), {x['reserve_carrying_inner']:.0f} µs of it the "
-                f"{x['reserve_carrying_commands']:.0f} Redis commands it runs; the rest is Lua "
-                "itself (decoding and formatting the JSON reservation records, the lex index "
-                "members, the packed records)."
+                f"{x['reserve_carrying_commands']:.0f} Redis commands it runs (commandstats "
+                "counts only each command's own work); the rest is the script around them: "
+                "each `redis.call`'s conversion of arguments and replies, and Lua decoding "
+                "and formatting the JSON reservation records, the lex index members and the "
+                "packed records."
             )
         out.append(
             f"- A call costs the server {floor['call_cpu']:.0f} µs of CPU before any work "
@@ -1063,6 +1065,13 @@ def reasons(r: Results) -> list[str]:
             "- The three scripts sent separately in pipelines of 500 by one client (section 2), "
             f"so the server never waits between calls, cost {piped} of server CPU per request: "
             "the work a request gives a busy shard."
+        )
+        four = ", ".join(
+            f"{cell[(n, 4)]['cpu_us_per_req']:.0f} µs at {n:,} instances" for n in SIZES
+        )
+        out.append(
+            f"- With 4 nodes on the pool a request costs {four}: the server is woken less "
+            "often per call. The 1-node figure is the worst of the small node counts."
         )
         out.append(
             "- Left: the column hashes are the source of truth, so a transition writes each "
