@@ -704,7 +704,9 @@ class Coordinator:
         )
         if floor is None:
             return request
-        cached = guarded_cached_tokens(request.cached_tokens, backlogs.get, floor, guard_ms)
+        cached = guarded_cached_tokens(
+            request.cached_tokens, backlogs.get, floor, guard_ms, self.settings.prefix_hot_guard_ms
+        )
         return replace(request, cached_tokens=cached)
 
     def _guard_bounds(

@@ -119,21 +119,15 @@ class CachedTokens(dict[str, int]):
     """Expected cached prompt tokens per instance (a plain dict to everything that
     reads it), and `hot`: the instances whose credited prefix is hot, i.e. this node
     routed a request with that prefix moments ago (`HotPrefixes`). The hot-spot guard
-    fades a hot prefix's credit over `hot_guard_ms` of extra backlog instead of the
-    caller's guard distance; a plain mapping of cached tokens has no hot prefixes.
+    fades a hot prefix's credit over its shorter hot distance; a plain mapping of
+    cached tokens has no hot prefixes.
     """
 
-    __slots__ = ("hot", "hot_guard_ms")
+    __slots__ = ("hot",)
 
-    def __init__(
-        self,
-        tokens: Mapping[str, int] | None = None,
-        hot: Iterable[str] = (),
-        hot_guard_ms: int = 0,
-    ) -> None:
+    def __init__(self, tokens: Mapping[str, int] | None = None, hot: Iterable[str] = ()) -> None:
         super().__init__(tokens or {})
         self.hot: frozenset[str] = frozenset(hot)
-        self.hot_guard_ms = hot_guard_ms
 
 
 class HotPrefixes:
@@ -194,10 +188,11 @@ def guarded_cached_tokens(
     backlog_of: Callable[[str], float | None],
     floor_backlog_ms: float,
     guard_ms: int,
+    hot_guard_ms: int = 0,
 ) -> dict[str, int]:
     """The hot-spot guard: cache credit fades as an instance gets busier than the least
-    busy candidate, and is gone once it is `guard_ms` of backlog ahead (for a hot
-    prefix, `CachedTokens.hot_guard_ms`).
+    busy candidate, and is gone once it is `guard_ms` of backlog ahead (`hot_guard_ms`
+    for the instances `CachedTokens.hot` names).
 
     Without it, the score sends every request of a popular prefix to its one holder
     until that holder's queue is as long as the prefill the cache saves (for a
@@ -221,9 +216,8 @@ def guarded_cached_tokens(
     if guard_ms <= 0:
         return dict(cached)
     hot: frozenset[str] = frozenset()
-    hot_guard_ms = 0
     if isinstance(cached, CachedTokens):
-        hot, hot_guard_ms = cached.hot, cached.hot_guard_ms
+        hot = cached.hot
     out: dict[str, int] = {}
     for iid, tokens in cached.items():
         backlog = backlog_of(iid)

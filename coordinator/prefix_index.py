@@ -96,7 +96,7 @@ class PrefixIndex:
         tokens = {iid: blocks * self.block_tokens for iid, blocks in held.items()}
         self.last_lookup = tokens
         hot = hot_instances(held, hashes, self.hot, time.monotonic() * 1000)
-        return CachedTokens(tokens, hot, self._settings.prefix_hot_guard_ms)
+        return CachedTokens(tokens, hot)
 
     async def index_tokens(self, instances: Sequence[tuple[str, int]]) -> dict[str, int]:
         """Tokens the index holds per (instance id, epoch): one pipelined count each.

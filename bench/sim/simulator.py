@@ -466,7 +466,7 @@ class Simulation:
                 iid: min(b * self.config.block_tokens, req.prompt_tokens) for iid, b in held.items()
             }
             hot = hot_instances(held, req.blocks, node.hot, now)  # as PrefixIndex.cached_tokens
-            cached = CachedTokens(cached, hot, self.config.prefix_hot_guard_ms)
+            cached = CachedTokens(cached, hot)
         k = self._choose(node, req, now, expected, cached)
         self.node_of[r] = n
         self.instance_of[r] = k
@@ -575,7 +575,9 @@ class Simulation:
         if cached:
             backlogs = {r.id: r.predicted_total_backlog_ms for r in rows}
             floor = min((b for b in backlogs.values() if b is not None), default=0)
-            cached = guarded_cached_tokens(cached, backlogs.get, floor, c.prefix_guard_ms)
+            cached = guarded_cached_tokens(
+                cached, backlogs.get, floor, c.prefix_guard_ms, c.prefix_hot_guard_ms
+            )
         shape = RequestShape(req.prompt_tokens, expected, cached)
         return least_load(rows, c.weights, node.rr, request=shape)
 

@@ -107,17 +107,17 @@ def test_a_hot_prefix_fades_over_the_hot_distance_a_cold_one_over_the_guard() ->
     """Both holders are 1500 ms busier than the idlest: the popular prefix's credit is
     gone at a 1000 ms hot distance, the conversation's turn keeps 85% at 10 s."""
     backlogs = {"popular": 1500.0, "turn": 1500.0, "idle": 0.0}.get
-    cached = CachedTokens({"popular": 8000, "turn": 8000}, hot={"popular"}, hot_guard_ms=1000)
-    assert guarded_cached_tokens(cached, backlogs, 0.0, 10_000) == {"turn": 6800}
+    cached = CachedTokens({"popular": 8000, "turn": 8000}, hot={"popular"})
+    assert guarded_cached_tokens(cached, backlogs, 0.0, 10_000, 1000) == {"turn": 6800}
     # hot_guard_ms 0: hot prefixes fade over the guard distance like the others.
-    same = CachedTokens(cached, hot={"popular"}, hot_guard_ms=0)
-    assert guarded_cached_tokens(same, backlogs, 0.0, 10_000) == {"popular": 6800, "turn": 6800}
+    same = CachedTokens(cached, hot={"popular"})
+    assert guarded_cached_tokens(same, backlogs, 0.0, 10_000, 0) == {"popular": 6800, "turn": 6800}
     # A plain mapping has no hot prefixes; guard 0 turns everything off.
-    assert guarded_cached_tokens(dict(cached), backlogs, 0.0, 10_000) == {
+    assert guarded_cached_tokens(dict(cached), backlogs, 0.0, 10_000, 1000) == {
         "popular": 6800,
         "turn": 6800,
     }
-    assert guarded_cached_tokens(cached, backlogs, 0.0, 0) == cached
+    assert guarded_cached_tokens(cached, backlogs, 0.0, 0, 1000) == cached
     # It is a dict to everything else.
     assert cached == {"popular": 8000, "turn": 8000} and isinstance(cached, dict)
 
