@@ -22,6 +22,7 @@ from tests.helpers import (
     spec,
     wait_for,
 )
+from tests.library.test_fault_paths import Call, intercept
 
 POOL_SIZE = 50
 
@@ -29,13 +30,12 @@ POOL_SIZE = 50
 def count_calls(c: Coordinator) -> Counter[str]:
     """Count the scripts a node calls from now on, by name."""
     calls: Counter[str] = Counter()
-    real = c._direct_call
 
-    async def counted(name: str, args: list[Any], extra: tuple[str | bytes, ...] = ()) -> Any:
+    async def counted(name: str, real: Call, *args: Any) -> Any:
         calls[name] += 1
-        return await real(name, args, extra)
+        return await real(*args)
 
-    c._direct_call = counted  # type: ignore[method-assign]
+    intercept(c, counted)
     return calls
 
 
@@ -125,14 +125,13 @@ async def test_a_reservation_reply_carries_its_own_change(
 def spy_replies(c: Coordinator) -> list[tuple[str, Any]]:
     """Record every script reply a node gets from now on, with the script's name."""
     replies: list[tuple[str, Any]] = []
-    real = c._direct_call
 
-    async def spied(name: str, args: list[Any], extra: tuple[str | bytes, ...] = ()) -> Any:
-        reply = await real(name, args, extra)
+    async def spied(name: str, real: Call, *args: Any) -> Any:
+        reply = await real(*args)
         replies.append((name, reply))
         return reply
 
-    c._direct_call = spied  # type: ignore[method-assign]
+    intercept(c, spied)
     return replies
 
 
