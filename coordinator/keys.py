@@ -1,8 +1,10 @@
 """The whole Redis key schema of a pool, in one place.
 
-State is stored column-wise: one hash per field, keyed by instance id. That keeps
-every script's KEYS list fixed (scripts never build key names) while `redis-cli
-HGETALL 'lc:{pool}:inflight'` still shows a pool's counters at a glance.
+Slowly changing instance fields are stored column-wise: one hash per field, keyed by
+instance id, so `redis-cli HGETALL 'lc:{pool}:epoch'` shows them at a glance. The
+reservation counters every request changes live in one packed record per instance
+(`state`, coordinator/packed.py), which `coordinator inspect` decodes. Every script
+receives the same KEYS list (scripts never build key names).
 """
 
 from __future__ import annotations
@@ -18,23 +20,20 @@ ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")
 # Keys in the order every script receives them as KEYS[1..N]; lua/_lib.lua names the
 # same positions. Each is a hash keyed by instance id unless noted.
 COLUMNS: tuple[str, ...] = (
-    "meta",  # hash: run_id, created_ms, spec_gen, state_ver (change counters), slots
+    "meta",  # hash: run_id, created_ms, spec_gen, state_ver (change counters), slots,
+    # inflight_total (live reservations of the whole pool)
     "spec_log",  # zset: instance id -> spec_gen of its latest spec/membership change
     "spec",  # JSON InstanceSpec without epoch
     "epoch",  # engine epoch; older reservations are void
     "last_seen_ms",  # Redis time of the last register/heartbeat
     "max_slots",  # sequences the fleet forwards at once (0 = unlimited)
-    "inflight",  # live reservations, both phases
-    "pending_prefill",  # reservations in phase prefill
-    "active_decode",  # reservations in phase decode
-    "pending_prefill_ms",  # sum of prefill_ms of prefill-phase reservations
-    "prefill_free_at_ms",  # Redis time when serialized prefill is predicted free
     "slot",  # the instance's record index in `state` and `live`
     "hints",  # "<id>:<hint>" and "<id>:<hint>_at_ms" engine hints
     "reservations",  # hash rid -> JSON reservation record
     "by_instance",  # lex zset "<id>#<epoch:010d>|<end_at_ms:015d>|<rid>"
     "nodes",  # zset node id -> lease deadline (Redis ms)
-    "state",  # string: packed per-slot counters (coordinator/packed.py), read per decision
+    "state",  # string: packed per-slot reservation counters (coordinator/packed.py): the
+    # source of truth for them, read per decision
     "live",  # string: packed per-slot last_seen and hints, read at a bounded rate
     "free_slots",  # zset of freed slot indexes, reused lowest first
     "voids",  # set of instance ids whose void reservation records remain to be swept

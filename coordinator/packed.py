@@ -6,17 +6,18 @@ short reply and finds what changed by comparing records. A field is a fixed numb
 of base-128 digits, most significant first: every byte is 0..127, plain ASCII, so a
 client that decodes replies as text gets them unchanged.
 
-- `state` (18 bytes; every reservation transition rewrites it): pending_prefill and
-  active_decode (3 digits, saturating at 2,097,151; inflight is their sum),
-  prefill_free_at_ms and earliest_end_at_ms (6 digits: Redis ms up to the year
-  2109; 0 = no live reservation);
+- `state` (24 bytes; every reservation transition rewrites it, and it is the only
+  place these counters are kept): pending_prefill and active_decode (3 digits,
+  saturating at 2,097,151; inflight is their sum), prefill_free_at_ms and
+  earliest_end_at_ms (6 digits: Redis ms up to the year 2109; 0 = no live
+  reservation), pending_prefill_ms (6 digits: the prefill work of the prefill-phase
+  reservations);
 - `live` (36 bytes; heartbeats rewrite it): last_seen_ms (6 digits), then per hint
   (engine_running, engine_waiting, queue_depth) its value × 1000 (4 digits,
   saturating at 268,435.455) and the Redis time it was reported (6 digits, 0 = never).
 
-`redis-cli` shows the same numbers in the column hashes (inflight, pending_prefill,
-prefill_free_at_ms, last_seen_ms, hints), which stay the source of truth; `coordinator
-inspect` shows what the nodes decode from the records.
+`redis-cli` shows last_seen_ms and the hints in their column hashes too (those stay
+their source of truth); `coordinator inspect` decodes both records.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 
 from coordinator.models import HINT_NAMES, Hint
 
-STATE_FIELDS = (3, 3, 6, 6)  # digits per field
+STATE_FIELDS = (3, 3, 6, 6, 6)  # digits per field
 LIVE_FIELDS = (6, *(n for _ in HINT_NAMES for n in (4, 6)))
 STATE_BYTES = sum(STATE_FIELDS)
 LIVE_BYTES = sum(LIVE_FIELDS)
@@ -44,6 +45,7 @@ class StateRecord:
     active_decode: int = 0
     prefill_free_at_ms: int = 0
     earliest_end_at_ms: int = 0
+    pending_prefill_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +101,8 @@ def unpack_state(blob: bytes, slot: int) -> StateRecord:
     offset = slot * STATE_BYTES
     if slot < 0 or offset + STATE_BYTES > len(blob):
         return StateRecord()
-    pending, decode, free_at, earliest = _fields(blob, offset, STATE_FIELDS)
-    return StateRecord(pending + decode, pending, decode, free_at, earliest)
+    pending, decode, free_at, earliest, pending_ms = _fields(blob, offset, STATE_FIELDS)
+    return StateRecord(pending + decode, pending, decode, free_at, earliest, pending_ms)
 
 
 def unpack_live(blob: bytes, slot: int) -> LiveRecord:

@@ -404,7 +404,7 @@ class LocalCluster:
             f"  curl -s {self.node_urls[0]}/v1/chat/completions -H 'Content-Type: application/json' "
             '-d \'{"model":"mock","messages":[{"role":"user","content":"hi"}],"max_tokens":16}\'',
             f"  curl -s {self.control_urls[0]}/debug/instance_loads | python -m json.tool",
-            f"  redis-cli -h {host} -p {port or 6379} HGETALL '{pool_key}:inflight'",
+            f"  redis-cli -h {host} -p {port or 6379} HGETALL '{pool_key}:reservations'",
             f"  coordinator inspect --redis-url {redact(self.redis_url)} --pool {self.pool}",
         ]
         return "\n".join(lines)

@@ -251,7 +251,7 @@ def next_steps(redis_url: str | None, own_cluster: bool = True) -> list[str]:
         "  GET  <control>/debug/instance_loads   the snapshot and scores selection uses",
         "  GET  <control>/debug/reservations     live reservations (no payloads)",
         "  GET  <node>/metrics                   Prometheus metrics",
-        f"  redis-cli -u {url} HGETALL 'lc:{{demo}}:inflight'   the shared counters, as stored",
+        f"  redis-cli -u {url} HGETALL 'lc:{{demo}}:reservations'   the shared records, as stored",
         f"  coordinator inspect --redis-url {url} --pool demo   the pool at a glance",
     ]
 

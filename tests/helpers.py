@@ -32,13 +32,46 @@ def spec(i: int | str, **overrides: Any) -> InstanceSpec:
     return InstanceSpec(**values)
 
 
-async def counters(c: Coordinator) -> dict[str, dict[str, int]]:
-    """Counter columns as stored in Redis: column -> instance -> value."""
-    out: dict[str, dict[str, int]] = {}
-    for name in COUNTER_COLUMNS:
-        raw = await c.redis.hgetall(c.keys.column(name))
-        out[name] = {k: int(v) for k, v in raw.items()}
+def decode_counters(raw_slots: dict[Any, Any], state: Any) -> dict[str, dict[str, int]]:
+    """Every registered instance's counters from its packed `state` record (the only
+    place they are stored): name -> instance -> value, for the COUNTER_COLUMNS plus
+    pending_prefill_ms, prefill_free_at_ms and earliest_end_at_ms. `raw_slots` is the
+    `slot` hash (instance -> slot) as read, `state` the `state` string."""
+    blob = as_bytes(state)
+    out: dict[str, dict[str, int]] = {
+        name: {}
+        for name in (
+            *COUNTER_COLUMNS,
+            "pending_prefill_ms",
+            "prefill_free_at_ms",
+            "earliest_end_at_ms",
+        )
+    }
+    for iid, slot in raw_slots.items():
+        record = unpack_state(blob, int(slot))
+        iid = iid.decode() if isinstance(iid, bytes) else iid
+        out["inflight"][iid] = record.inflight
+        out["pending_prefill"][iid] = record.pending_prefill
+        out["active_decode"][iid] = record.active_decode
+        out["pending_prefill_ms"][iid] = record.pending_prefill_ms
+        out["prefill_free_at_ms"][iid] = record.prefill_free_at_ms
+        out["earliest_end_at_ms"][iid] = record.earliest_end_at_ms
     return out
+
+
+async def packed_counters(c: Coordinator) -> dict[str, dict[str, int]]:
+    """Every field of every instance's `state` record, as stored (decode_counters)."""
+    pipe = c.redis.pipeline(transaction=True)
+    pipe.hgetall(c.keys.column("slot"))
+    pipe.getrange(c.keys.column("state"), 0, -1)
+    raw_slots, state = await pipe.execute()
+    return decode_counters(raw_slots, state)
+
+
+async def counters(c: Coordinator) -> dict[str, dict[str, int]]:
+    """The COUNTER_COLUMNS as stored in Redis: name -> instance -> value."""
+    decoded = await packed_counters(c)
+    return {name: decoded[name] for name in COUNTER_COLUMNS}
 
 
 async def live_reservations(c: Coordinator) -> dict[str, dict[str, Any]]:
@@ -55,51 +88,31 @@ def lex_member(instance_id: str, epoch: int, end_at_ms: int, rid: str) -> str:
 async def assert_counters_match_reservations(c: Coordinator) -> None:
     """DESIGN.md §6: every counter equals the live reservations in its phase; none < 0.
 
-    Also `pending_prefill_ms` (the sum of prefill_ms of prefill-phase reservations),
-    the per-instance index (exactly one entry per record, on its instance, epoch and
-    end time) and the packed `state` records nodes read (equal to the counters, the
-    prefill cursor and the earliest end). Records of a restarted or removed instance
-    count nowhere and must be queued for sweeping. Everything is read in one
-    MULTI/EXEC, so a concurrent script cannot fall between the reads (all of a
-    pool's keys share one hash slot).
+    The counters are the packed `state` records (their only store): inflight,
+    pending_prefill, active_decode, `pending_prefill_ms` (the sum of prefill_ms of
+    prefill-phase reservations) and the earliest predicted end; the pool's
+    `inflight_total` is their sum. Also the per-instance index (exactly one entry per
+    record, on its instance, epoch and end time). Records of a restarted or removed
+    instance count nowhere and must be queued for sweeping. Everything is read in one
+    MULTI/EXEC, so a concurrent script cannot fall between the reads (all of a pool's
+    keys share one hash slot).
     """
     pipe = c.redis.pipeline(transaction=True)
-    for name in (
-        *COUNTER_COLUMNS,
-        "pending_prefill_ms",
-        "reservations",
-        "epoch",
-        "slot",
-        "prefill_free_at_ms",
-    ):
+    for name in ("reservations", "epoch", "slot"):
         pipe.hgetall(c.keys.column(name))
     pipe.zrange(c.keys.column("by_instance"), 0, -1)
     # SSCAN, not SMEMBERS: redis-py's cluster transactions break on the latter's callback.
     pipe.sscan(c.keys.column("voids"), 0, count=1_000_000)
     pipe.getrange(c.keys.column("state"), 0, -1)
-    (
-        *raw_counters,
-        raw_pending_ms,
-        raw_records,
-        raw_epochs,
-        raw_slots,
-        raw_free_at,
-        index,
-        (_, voids),
-        state,
-    ) = await pipe.execute()
-    stored = {
-        name: {k: int(v) for k, v in raw.items()}
-        for name, raw in zip(COUNTER_COLUMNS, raw_counters, strict=True)
-    }
-    stored_ms = {k: int(v) for k, v in raw_pending_ms.items()}
+    pipe.hget(c.keys.column("meta"), "inflight_total")
+    raw_records, raw_epochs, raw_slots, index, (_, voids), state, total = await pipe.execute()
+    stored = decode_counters(raw_slots, state)
     records = {rid: json.loads(v) for rid, v in raw_records.items()}
     epochs = {k: int(v) for k, v in raw_epochs.items()}
     expected: dict[str, dict[str, int]] = {
-        name: dict.fromkeys(epochs, 0) for name in COUNTER_COLUMNS
+        name: dict.fromkeys(epochs, 0)
+        for name in (*COUNTER_COLUMNS, "pending_prefill_ms", "earliest_end_at_ms")
     }
-    expected_ms = dict.fromkeys(epochs, 0)
-    earliest = dict.fromkeys(epochs, 0)
     for rec in records.values():
         iid = rec["instance"]
         if epochs.get(iid) != rec["epoch"]:
@@ -109,37 +122,20 @@ async def assert_counters_match_reservations(c: Coordinator) -> None:
         phase = "pending_prefill" if rec["phase"] == "prefill" else "active_decode"
         expected[phase][iid] += 1
         if rec["phase"] == "prefill":
-            expected_ms[iid] += int(rec["prefill_ms"])
+            expected["pending_prefill_ms"][iid] += int(rec["prefill_ms"])
         end = int(rec["end_at_ms"])
+        earliest = expected["earliest_end_at_ms"]
         earliest[iid] = end if not earliest[iid] else min(earliest[iid], end)
-    for name in COUNTER_COLUMNS:
-        assert all(v >= 0 for v in stored[name].values()), (name, stored[name])
-        assert stored[name] == expected[name], (name, stored[name], expected[name])
-    assert stored_ms == expected_ms, ("pending_prefill_ms", stored_ms, expected_ms)
+    assert set(raw_slots) == set(epochs), ("slot", raw_slots, epochs)
+    for name, want in expected.items():
+        assert stored[name] == want, (name, stored[name], want)
+    # The pool's total, which reserve compares a candidate with, is the sum of `state`.
+    assert int(total or 0) == sum(stored["inflight"].values()), ("inflight_total", total)
     expected_index = {
         lex_member(rec["instance"], rec["epoch"], rec["end_at_ms"], rid)
         for rid, rec in records.items()
     }
     assert sorted(index) == sorted(expected_index), ("by_instance", index, expected_index)
-    assert set(raw_slots) == set(epochs), ("slot", raw_slots, epochs)
-    blob = as_bytes(state)
-    for iid, slot in raw_slots.items():
-        record = unpack_state(blob, int(slot))
-        packed = (
-            record.inflight,
-            record.pending_prefill,
-            record.active_decode,
-            record.prefill_free_at_ms,
-            record.earliest_end_at_ms,
-        )
-        truth = (
-            stored["inflight"][iid],
-            stored["pending_prefill"][iid],
-            stored["active_decode"][iid],
-            int(raw_free_at[iid]),
-            earliest[iid],
-        )
-        assert packed == truth, ("state record", iid, packed, truth)
 
 
 async def wait_for(

@@ -1,25 +1,25 @@
 -- Shared prelude: coordinator/scripts.py prepends to each script the definitions
 -- below that it uses (directly or through another one).
--- KEYS[1..21] are the pool keys in coordinator/keys.py COLUMNS order; every script
--- receives all of them, plus script-specific keys from KEYS[22] on.
+-- KEYS[1..16] are the pool keys in coordinator/keys.py COLUMNS order; every script
+-- receives all of them, plus script-specific keys from KEYS[17] on.
 -- Times are the Redis server clock in ms. Errors are "LCERR <kind> <detail>".
 
 local K_META, K_SPEC_LOG, K_SPEC, K_EPOCH = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local K_LAST_SEEN, K_MAX_SLOTS, K_INFLIGHT = KEYS[5], KEYS[6], KEYS[7]
-local K_PENDING, K_DECODE, K_PENDING_MS = KEYS[8], KEYS[9], KEYS[10]
-local K_PREFILL_FREE, K_SLOT, K_HINTS = KEYS[11], KEYS[12], KEYS[13]
-local K_RES, K_BY_INSTANCE, K_NODES = KEYS[14], KEYS[15], KEYS[16]
-local K_STATE, K_LIVE, K_FREE_SLOTS = KEYS[17], KEYS[18], KEYS[19]
-local K_VOIDS, K_RETIRED = KEYS[20], KEYS[21]
+local K_LAST_SEEN, K_MAX_SLOTS, K_SLOT, K_HINTS = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local K_RES, K_BY_INSTANCE, K_NODES = KEYS[9], KEYS[10], KEYS[11]
+local K_STATE, K_LIVE, K_FREE_SLOTS = KEYS[12], KEYS[13], KEYS[14]
+local K_VOIDS, K_RETIRED = KEYS[15], KEYS[16]
 local HINTS = {'engine_running', 'engine_waiting', 'queue_depth'}
 -- Packed records (coordinator/packed.py decodes them), one per slot. A field is a
 -- fixed number of base-128 digits, most significant first, each byte 0..127: plain
 -- ASCII, so clients that decode replies as text read them unchanged.
--- state: pending_prefill, active_decode (3 digits each, saturating; inflight is their
---   sum), prefill_free_at_ms, earliest_end_at_ms (6 digits: ms to the year 2109;
---   0 = no live reservation)
+-- state (the source of truth for an instance's reservation counters): pending_prefill,
+--   active_decode (3 digits each, saturating; inflight is their sum),
+--   prefill_free_at_ms, earliest_end_at_ms (6 digits: ms to the year 2109; 0 = no live
+--   reservation), pending_prefill_ms (6 digits: the prefill work of its prefill-phase
+--   reservations)
 -- live: last_seen_ms (6), then per hint: value*1000 (4, saturating), at_ms (6; 0 = none)
-local STATE_BYTES, LIVE_BYTES = 18, 36
+local STATE_BYTES, LIVE_BYTES = 24, 36
 local SPEC_LOG_MAX = 10000  -- spec changes kept for incremental readers; older: full read
 local SWEEP_BUDGET = 500  -- reservations one call may void; the rest is swept later
 
@@ -124,45 +124,22 @@ end
 -- to it (coordinator/models.py MAX_PREDICTED_MS), so a valid request always fits.
 local MAX_PREDICTED_MS = 86400000
 
--- HINCRBY a counter by `by` and return it, never below 0 (written back clamped).
-local function add(key, id, by)
-  local v = redis.call('HINCRBY', key, id, by)
-  if v < 0 then
-    redis.call('HSET', key, id, '0')
-    v = 0
-  end
-  return v
-end
-
--- Re-chain the serialized prefill cursor after a reservation's first token: its
--- prefill just ended, so the prefills queued behind it start now, one after another.
--- `pending_ms` is the prefill work still queued. Returns the new cursor.
-local function rechain_after_first_token(id, now, pending_ms)
-  local free = now + pending_ms
-  redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', free))
-  return free
-end
-
--- Re-chain the cursor after prefill reservation `rec` left before its first token
--- (release, reap). Prefill is serialized FCFS (local_fleet/engine_model.py):
+-- Re-chain the serialized prefill cursor of state `st` after prefill reservation `rec`
+-- left before its first token (release, reap); st.pending_ms already excludes it.
+-- Prefill is serialized FCFS (local_fleet/engine_model.py):
 -- - its prefill had not started (predicted start after now): only its share leaves
 --   the chain; the prefill in progress keeps the progress it made, so the cursor
 --   moves back by exactly its prefill_ms;
 -- - its prefill had started: the engine finishes that iteration anyway, so the
---   cursor stays, but never below now + the prefill work still queued (`pending_ms`).
--- Returns the new cursor.
-local function rechain_after_cancel(id, rec, now, pending_ms)
-  local cursor = num(K_PREFILL_FREE, id)
+--   cursor stays, but never below now + the prefill work still queued.
+local function rechain_after_cancel(st, rec, now)
   local first_token_at = tonumber(rec.first_token_at_ms) or now
   local prefill_ms = tonumber(rec.prefill_ms) or 0
-  local free
   if first_token_at - prefill_ms > now then
-    free = math.max(now, cursor - prefill_ms)
+    st.free_at = math.max(now, st.free_at - prefill_ms)
   else
-    free = math.max(cursor, now + pending_ms)
+    st.free_at = math.max(st.free_at, now + st.pending_ms)
   end
-  redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', free))
-  return free
 end
 
 -- Whether `node` holds a lease now (its deadline has not passed).
@@ -202,27 +179,88 @@ local function be6(v)
   return string.char((v - b) / 128, b, c, d, e, f)
 end
 
--- Rewrite slot `slot` of `state`. Every change of `state` goes through here or
--- free_slot and bumps meta state_ver by one, so a node holding the version before
--- a change can apply that change's record alone. Returns {state_ver, slot, record}.
-local function write_state(slot, pending, decode, free_at, earliest)
-  local record = be3(pending) .. be3(decode) .. be6(free_at) .. be6(earliest)
-  redis.call('SETRANGE', K_STATE, slot * STATE_BYTES, record)
-  return {redis.call('HINCRBY', K_META, 'state_ver', 1), slot, record}
+local function d3(b, i)
+  return (b[i] * 128 + b[i + 1]) * 128 + b[i + 2]
 end
 
--- Rewrite instance `id`'s packed state record from the counters the caller just
--- wrote (no re-read); returns write_state's patch, or nil when `id` has no slot.
-local function publish_state(id, epoch, pending, decode, free_at)
+local function d6(b, i)
+  local v = 0
+  for k = i, i + 5 do v = v * 128 + b[k] end
+  return v
+end
+
+-- The instances' decoded state records this call read, by id: one table per instance,
+-- so every change in the call (a reserve's decision, its carried transitions, its own
+-- write) works on the same copy.
+local slot_states = {}
+
+-- Instance `id`'s packed state record, decoded: {slot, pending, decode, free_at,
+-- earliest, pending_ms, base}, `base` the inflight last written; nil when `id` has no
+-- slot. Change the fields, then write_state.
+local function slot_state(id)
+  local st = slot_states[id]
+  if st then return st end
   local slot = redis.call('HGET', K_SLOT, id)
   if not slot then return nil end
-  return write_state(tonumber(slot), pending, decode, free_at, earliest_end(id, epoch))
+  slot = tonumber(slot)
+  local at = slot * STATE_BYTES
+  local raw = redis.call('GETRANGE', K_STATE, at, at + STATE_BYTES - 1)
+  if #raw < STATE_BYTES then
+    st = {slot = slot, pending = 0, decode = 0, free_at = 0, earliest = 0, pending_ms = 0,
+      base = 0}
+  else
+    local b = {string.byte(raw, 1, STATE_BYTES)}
+    local pending, decode = d3(b, 1), d3(b, 4)
+    st = {slot = slot, pending = pending, decode = decode, free_at = d6(b, 7),
+      earliest = d6(b, 13), pending_ms = d6(b, 19), base = pending + decode}
+  end
+  slot_states[id] = st
+  return st
 end
 
--- Rewrite instance `id`'s packed state record from its stored counters.
-local function sync_state(id)
-  return publish_state(id, num(K_EPOCH, id), num(K_PENDING, id), num(K_DECODE, id),
-    num(K_PREFILL_FREE, id))
+-- This call's copy of the pool's change counters in meta: state_ver (every change of
+-- `state` bumps it by one, so a node holding the version before a change can apply
+-- that change's record alone) and inflight_total (the live reservations of the whole
+-- pool: the sum over `state`). Read once, written once by commit_state.
+local pool_meta = nil
+
+local function pool_counts()
+  if not pool_meta then
+    local m = redis.call('HMGET', K_META, 'state_ver', 'inflight_total')
+    pool_meta = {ver = tonumber(m[1]) or 0, total = tonumber(m[2]) or 0, dirty = false}
+  end
+  return pool_meta
+end
+
+-- Write back what write_state changed; every script that writes `state` ends with it.
+local function commit_state()
+  if pool_meta and pool_meta.dirty then
+    redis.call('HSET', K_META, 'state_ver', pool_meta.ver, 'inflight_total', pool_meta.total)
+    pool_meta.dirty = false
+  end
+end
+
+-- Rewrite the packed record of slot_state `st`. Returns {state_ver, slot, record}.
+local function write_state(st)
+  local record = be3(st.pending) .. be3(st.decode) .. be6(st.free_at) .. be6(st.earliest)
+    .. be6(st.pending_ms)
+  redis.call('SETRANGE', K_STATE, st.slot * STATE_BYTES, record)
+  local p = pool_counts()
+  local inflight = st.pending + st.decode
+  p.ver, p.total, p.dirty = p.ver + 1, p.total + inflight - st.base, true
+  st.base = inflight
+  return {p.ver, st.slot, record}
+end
+
+-- Keep st.earliest (the earliest predicted end among the instance's live reservations)
+-- after a reservation ending at `end_at` joined, or left (`left`: then re-read from the
+-- index when it may have been the earliest; call after the index changed).
+local function earliest_joined(st, end_at)
+  if st.earliest == 0 or end_at < st.earliest then st.earliest = end_at end
+end
+
+local function earliest_left(st, id, epoch, end_at)
+  if st.earliest == 0 or end_at <= st.earliest then st.earliest = earliest_end(id, epoch) end
 end
 
 -- The hint arguments ARGV[2..4] (engine_running, engine_waiting, queue_depth: a
@@ -278,22 +316,23 @@ local function alloc_slot(id)
   return slot
 end
 
--- Return `id`'s slot to the free list, zeroing its records.
+-- Return `id`'s slot to the free list, zeroing its records (and so its counters:
+-- the caller voids its reservations).
 local function free_slot(id)
-  local slot = redis.call('HGET', K_SLOT, id)
-  if not slot then return end
-  slot = tonumber(slot)
+  local st = slot_state(id)
+  if not st then return end
   redis.call('HDEL', K_SLOT, id)
-  redis.call('SETRANGE', K_STATE, slot * STATE_BYTES, string.rep('\0', STATE_BYTES))
-  redis.call('HINCRBY', K_META, 'state_ver', 1)
-  redis.call('SETRANGE', K_LIVE, slot * LIVE_BYTES, string.rep('\0', LIVE_BYTES))
-  redis.call('ZADD', K_FREE_SLOTS, slot, slot)
+  st.pending, st.decode, st.free_at, st.earliest, st.pending_ms = 0, 0, 0, 0, 0
+  write_state(st)
+  slot_states[id] = nil
+  redis.call('SETRANGE', K_LIVE, st.slot * LIVE_BYTES, string.rep('\0', LIVE_BYTES))
+  redis.call('ZADD', K_FREE_SLOTS, st.slot, st.slot)
 end
 
 -- Remove one reservation and its counters. `rec` is the decoded record. With a
--- `touched` table, the instance's packed record is left for the caller to rewrite
--- once per instance (sync_touched), not once per reservation; without one, returns
--- the state patch (publish_state), or nil when no counter moved.
+-- `touched` table (id -> slot_state), the instance's packed record is left for the
+-- caller to rewrite once per instance (sync_touched), not once per reservation;
+-- without one, returns the state patch (write_state), or nil when no counter moved.
 local function drop_reservation(rid, rec, now, touched)
   local id = rec.instance
   redis.call('HDEL', K_RES, rid)
@@ -301,36 +340,47 @@ local function drop_reservation(rid, rec, now, touched)
   if tonumber(redis.call('HGET', K_EPOCH, id) or '-1') ~= rec.epoch then
     return nil  -- the instance restarted or left: its counters were reset then
   end
-  -- inflight counts both phases: the phase not released is the rest of it.
-  local inflight = add(K_INFLIGHT, id, -1)
-  local pending, decode, free
+  local st = touched and touched[id]
+  if not st then
+    st = slot_state(id)
+    if not st then return nil end
+  end
   if rec.phase == 'prefill' then
-    pending = add(K_PENDING, id, -1)
-    decode = inflight - pending
-    free = rechain_after_cancel(id, rec, now, add(K_PENDING_MS, id, 0 - rec.prefill_ms))
+    st.pending = math.max(0, st.pending - 1)
+    st.pending_ms = math.max(0, st.pending_ms - rec.prefill_ms)
+    rechain_after_cancel(st, rec, now)
   else
-    decode = add(K_DECODE, id, -1)
-    pending = inflight - decode
+    st.decode = math.max(0, st.decode - 1)
   end
   if touched then
-    touched[id] = true
+    st.left = math.min(st.left or rec.end_at_ms, rec.end_at_ms)
+    st.epoch = rec.epoch
+    touched[id] = st
     return nil
   end
-  return publish_state(id, rec.epoch, pending, decode, free or num(K_PREFILL_FREE, id))
+  earliest_left(st, id, rec.epoch, rec.end_at_ms)
+  return write_state(st)
 end
 
 local function sync_touched(touched)
-  for id in pairs(touched) do sync_state(id) end
+  for id, st in pairs(touched) do
+    earliest_left(st, id, st.epoch, st.left)
+    write_state(st)
+  end
 end
 
 -- Void every reservation of `id` older than its current epoch (all of them once the
--- id is unregistered): counters restart at 0 now; the records themselves are
--- deleted in bounded steps (sweep), so one call never runs long.
-local function void_instance(id)
-  for _, key in ipairs({K_INFLIGHT, K_PENDING, K_DECODE, K_PENDING_MS}) do
-    redis.call('HSET', key, id, 0)
-  end
+-- id is unregistered): counters restart at 0 now, the prefill cursor at `now`; the
+-- records themselves are deleted in bounded steps (sweep), so one call never runs
+-- long. Returns the reservations voided.
+local function void_instance(id, now)
   redis.call('SADD', K_VOIDS, id)
+  local st = slot_state(id)
+  if not st then return 0 end
+  local voided = st.base
+  st.pending, st.decode, st.free_at, st.earliest, st.pending_ms = 0, 0, now, 0, 0
+  write_state(st)
+  return voided
 end
 
 -- Delete up to `budget` void reservation records; returns {deleted, ids_left}.
@@ -365,18 +415,25 @@ local function first_token(rid, now)
   if not raw then return 'noop' end
   local rec = cjson.decode(raw)
   if rec.phase ~= 'prefill' then return 'noop' end
-  local id = rec.instance
-  redis.call('ZREM', K_BY_INSTANCE, lex_member(id, rec.epoch, rec.end_at_ms, rid))
+  local id, old_end = rec.instance, rec.end_at_ms
+  redis.call('ZREM', K_BY_INSTANCE, lex_member(id, rec.epoch, old_end, rid))
   rec.phase = 'decode'
   rec.first_token_at_ms = now
   rec.end_at_ms = now + rec.decode_ms
   redis.call('HSET', K_RES, rid, encode_record(rec))
   redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, rec.epoch, rec.end_at_ms, rid))
   if tonumber(redis.call('HGET', K_EPOCH, id) or '-1') ~= rec.epoch then return 'ok' end
-  local pending = add(K_PENDING, id, -1)
-  local decode = redis.call('HINCRBY', K_DECODE, id, 1)
-  local free = rechain_after_first_token(id, now, add(K_PENDING_MS, id, 0 - rec.prefill_ms))
-  return 'ok', publish_state(id, rec.epoch, pending, decode, free)
+  local st = slot_state(id)
+  if not st then return 'ok' end
+  st.pending = math.max(0, st.pending - 1)
+  st.decode = st.decode + 1
+  st.pending_ms = math.max(0, st.pending_ms - rec.prefill_ms)
+  -- Its prefill just ended, so the prefills queued behind it start now, one after
+  -- another.
+  st.free_at = now + st.pending_ms
+  earliest_left(st, id, rec.epoch, old_end)
+  earliest_joined(st, rec.end_at_ms)
+  return 'ok', write_state(st)
 end
 
 -- End reservation `rid` of the node whose reservation set is `rids_key`. Returns

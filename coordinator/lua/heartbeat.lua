@@ -1,5 +1,5 @@
 -- heartbeat: refresh an instance's liveness and store the engine hints it carries.
--- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
 -- ARGV[1] = instance id
 -- ARGV[2] = engine_running (number >= 0, or '' when not reported)
 -- ARGV[3] = engine_waiting (number >= 0, or '')

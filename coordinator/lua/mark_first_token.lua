@@ -1,5 +1,5 @@
 -- mark_first_token: move a reservation from prefill to decode (idempotent by rid).
--- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
 -- ARGV[1] = rid
 -- returns {'ok', state_ver, slot, record} | {'ok'} | {'noop'}
 --   state_ver, slot, record: this call's change of `state` (the caller applies it
@@ -7,4 +7,6 @@
 --     instance restarted or left since the reservation)
 --   noop: unknown rid, or already in decode
 if not valid_id(ARGV[1]) then return fail('bad_arg', 'rid') end
-return transition_reply(first_token(ARGV[1], now_ms()))
+local reply = transition_reply(first_token(ARGV[1], now_ms()))
+commit_state()
+return reply

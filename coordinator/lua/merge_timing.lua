@@ -1,8 +1,8 @@
 -- merge_timing: fold one node's timing samples into the pool's learned statistics,
 -- and return them all (coordinator/timing.py documents the record and the merge,
 -- and merge_record there is this merge in Python).
--- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
--- KEYS[22] = {pool}:timing  hash: instance id (or "|output|<model>") -> hex of a msgpack
+-- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[17] = {pool}:timing  hash: instance id (or "|output|<model>") -> hex of a msgpack
 --   record [epoch, at_ms, n, w, sx, sy, sxx, sxy, ...] (a group of six per fitted line);
 --   hex keeps replies text for clients that decode them
 -- ARGV[1] = half-life of the statistics' weight in ms (integer >= 1)
@@ -14,7 +14,7 @@
 --   then one page (about 500 fields) of the hash from the cursor; next_cursor '0' when
 --   the hash was read to its end. Callers send at most 500 batches, so every call is
 --   bounded whatever the pool size, and walk the cursor over several calls.
-local T = KEYS[22]
+local T = KEYS[17]
 local half = int_arg(ARGV[1])
 local floor_w = tonumber(ARGV[2])
 local max_age = int_arg(ARGV[3])

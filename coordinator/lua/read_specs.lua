@@ -1,5 +1,5 @@
 -- read_specs: instance specs, epochs, capacities and slots, in bounded steps.
--- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
 -- ARGV[1] = since: the spec_gen the caller has applied (0 = none)
 -- ARGV[2] = cursor: '' for an incremental read; for a full read '0' to start, then
 --   the cursor the previous step returned

@@ -1,5 +1,5 @@
 -- read_state: the pool's packed per-instance state in one round trip.
--- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
 -- ARGV[1] = '1' to include the liveness records (last_seen, hints), '0' not to
 -- returns {run_id, spec_gen, now_ms, state, live|false, state_ver}
 --   state/live: packed records by slot (see _lib.lua; coordinator/packed.py);

@@ -1,7 +1,7 @@
 -- reap_node: release the reservations of a node whose lease has expired, in bounded
 -- steps: the caller repeats the call until it answers 'reaped'.
--- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
--- KEYS[22] = {pool}:node:<node>:rids  the dead node's reservation set
+-- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[17] = {pool}:node:<node>:rids  the dead node's reservation set
 -- ARGV[1] = the dead node's id
 -- ARGV[2] = force: '1' reaps even a live lease (a node restarting under its old id
 --           reaps its predecessor's reservations before taking the lease)
@@ -19,7 +19,7 @@ local now = now_ms()
 local deadline = redis.call('ZSCORE', K_NODES, ARGV[1])
 if ARGV[2] ~= '1' and deadline and tonumber(deadline) >= now then return {'alive', 0} end
 local reaped, touched = 0, {}
-local rids = redis.call('SPOP', KEYS[22], budget)
+local rids = redis.call('SPOP', KEYS[17], budget)
 for _, rid in ipairs(rids) do
   local raw = redis.call('HGET', K_RES, rid)
   if raw then
@@ -31,6 +31,7 @@ for _, rid in ipairs(rids) do
   end
 end
 sync_touched(touched)
-if redis.call('SCARD', KEYS[22]) > 0 then return {'more', reaped} end
+commit_state()
+if redis.call('SCARD', KEYS[17]) > 0 then return {'more', reaped} end
 redis.call('ZREM', K_NODES, ARGV[1])
 return {'reaped', reaped}

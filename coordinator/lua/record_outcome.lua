@@ -4,8 +4,8 @@
 -- detection), unless the ejected share of the alive instances would then exceed
 -- the cap (Envoy max_ejection_percent). A success resets the count. Failures further
 -- apart than the window do not add up (nginx max_fails within fail_timeout).
--- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
--- KEYS[22] = {pool}:outliers  hash "<id>:fails", "<id>:last_fail_ms", "<id>:until_ms",
+-- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[17] = {pool}:outliers  hash "<id>:fails", "<id>:last_fail_ms", "<id>:until_ms",
 --   "<id>:ejections", "<id>:reason", "<id>:epoch" (coordinator/keys.py PoolKeys.outliers);
 --   a record of an older epoch is void: a restarted engine starts clean
 -- ARGV[1] = instance id
@@ -22,7 +22,7 @@
 --   state: 'ok' | 'counted' (below the threshold) | 'ejected' (by this call)
 --   | 'already' (ejected before; nothing changed) | 'capped' (at the threshold, but the
 --   share is used up) | 'unknown' (no such instance)
-local O = KEYS[22]
+local O = KEYS[17]
 local id = ARGV[1]
 if not valid_id(id) then return fail('bad_arg', 'instance id') end
 local outcome = ARGV[2]

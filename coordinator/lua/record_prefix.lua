@@ -9,9 +9,9 @@
 -- within one call the deeper blocks are older, so eviction takes a prefix's tail
 -- before its head (as an engine's cache does). Entries of an older epoch are void at once (lookups compare
 -- epochs) and their storage is reclaimed here in bounded steps.
--- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
--- KEYS[22] = {pool}:prefix_owners  hash, as above
--- KEYS[23] = {pool}:prefix_lru     lex zset, as above
+-- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[17] = {pool}:prefix_owners  hash, as above
+-- KEYS[18] = {pool}:prefix_lru     lex zset, as above
 -- ARGV[1] = instance id
 -- ARGV[2] = capacity: blocks kept for the instance (integer >= 0; 0 = record nothing)
 -- ARGV[3] = max_owners: instances kept per block (integer 1..64)
@@ -19,7 +19,7 @@
 --   on a share of their calls, which keeps the index bounded at a fraction of the cost)
 -- ARGV[5..] = block hashes, in prompt order (at most 512, 1..64 chars of [0-9a-f])
 -- returns {'ok', recorded, evicted, reclaimed} | {'gone'} (the id is not registered)
-local K_OWNERS, K_LRU = KEYS[22], KEYS[23]
+local K_OWNERS, K_LRU = KEYS[17], KEYS[18]
 local RECLAIM_BUDGET = 256  -- void entries one call may delete
 local id = ARGV[1]
 if not valid_id(id) then return fail('bad_arg', 'instance id') end

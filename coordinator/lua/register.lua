@@ -1,6 +1,6 @@
 -- register: upsert an instance; a higher epoch voids the old epoch's reservations.
--- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
--- KEYS[22] = {pool}:prefix_lru (lua/record_prefix.lua), to read the id's highest epoch
+-- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[17] = {pool}:prefix_lru (lua/record_prefix.lua), to read the id's highest epoch
 -- ARGV[1] = instance id
 -- ARGV[2] = spec JSON (InstanceSpec without epoch): an object with this id and an
 --   http(s) url; its other fields are validated by the caller
@@ -35,15 +35,11 @@ if not stored then
     -- outlive its reservation records): at their epoch again, they would credit a
     -- cache this engine may not hold. An explicit epoch names its engine: equal to
     -- theirs, it is the engine that holds them.
-    local last = redis.call('ZRANGE', KEYS[22], '(' .. id .. '$', '[' .. id .. '#', 'BYLEX',
+    local last = redis.call('ZRANGE', KEYS[17], '(' .. id .. '$', '[' .. id .. '#', 'BYLEX',
       'REV', 'LIMIT', 0, 1)[1]
     if last then retired = math.max(retired, tonumber(string.match(last, '^.*#(%d+)|'))) end
   end
   if epoch <= retired then epoch = retired + 1 end
-  for _, key in ipairs({K_INFLIGHT, K_PENDING, K_DECODE, K_PENDING_MS}) do
-    redis.call('HSET', key, id, 0)
-  end
-  redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', now))
 else
   stored = tonumber(stored)
   if epoch == 0 or epoch == stored then
@@ -52,9 +48,7 @@ else
     return fail('epoch_fenced', id .. ' has epoch ' .. stored .. ', got ' .. epoch)
   else
     status = 'restarted'
-    voided = num(K_INFLIGHT, id)
-    void_instance(id)
-    redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', now))
+    voided = void_instance(id, now)
   end
 end
 redis.call('HSET', K_SPEC, id, ARGV[2])
@@ -62,7 +56,13 @@ redis.call('HSET', K_EPOCH, id, string.format('%d', epoch))
 redis.call('HSET', K_MAX_SLOTS, id, max_slots)
 redis.call('HSET', K_LAST_SEEN, id, string.format('%d', now))
 alloc_slot(id)
-sync_state(id)
+if status == 'new' then
+  -- A fresh record: a freed slot was zeroed, one past the end of `state` reads as zeros.
+  local st = slot_state(id)
+  st.free_at = now
+  write_state(st)
+end
+commit_state()
 sync_live(id)
 spec_changed(id, now)
 sweep(SWEEP_BUDGET)

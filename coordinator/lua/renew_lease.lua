@@ -1,6 +1,6 @@
 -- renew_lease: extend a node's lease and list the nodes whose lease expired, and how
 -- many instances still have void records to sweep (sweep.lua).
--- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
 -- ARGV[1] = node id
 -- ARGV[2] = lease length in ms (integer > 0)
 -- returns {status, deadline_ms, now_ms, expired_node_ids, void_instances_left}

@@ -1,6 +1,7 @@
--- reserve: claim the first ranked candidate that is no busier than the caller saw it.
--- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
--- KEYS[22] = {pool}:node:<node>:rids  the calling node's reservation set
+-- reserve: claim the first ranked candidate that is no busier than the caller saw it
+-- (or, when every one got busier, the least busy if it is at or below the pool's mean).
+-- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[17] = {pool}:node:<node>:rids  the calling node's reservation set
 -- ARGV[1] = rid (request id, [A-Za-z0-9._:-], <= 128 chars)
 -- ARGV[2] = node id
 -- ARGV[3] = prompt_tokens (integer >= 0)
@@ -30,7 +31,10 @@
 -- returns {'ok'|'dup', instance, epoch, predicted_ttft_ms, prefill_ms, decode_ms,
 --          carried, view}
 --       | {'nolease', carried, view}  ARGV[8] = 0 and the node's lease is gone
---       | {'stale', carried, view}    every candidate got busier since it was observed
+--       | {'stale', carried, view}    every candidate got busier since it was observed,
+--                                     and the least busy has more live reservations
+--                                     than the pool's mean (meta inflight_total over
+--                                     the registered instances)
 --       | {'full', next_slot_in_ms, carried, view}  every alive candidate is at max_slots
 --       | {'none', carried, view}     no candidate is registered and alive
 --   carried = the carried transitions' replies, 4 items each: {status ('ok'|'noop'),
@@ -87,7 +91,7 @@ local now = now_ms()
 -- Reservations are written only under a live lease: the reaper finds a node through
 -- its lease, so a reservation without one would never go away.
 local leased = lease_held(node, now)
-local existing, chosen = nil, nil
+local existing, chosen, chosen_st = nil, nil, nil
 local saw_alive, saw_full, min_slot_ms = false, false, nil
 -- A retry elsewhere reserves again under the rid its carried release ends.
 local rid_released = false
@@ -101,37 +105,48 @@ end
 if (leased or lease_ms > 0) and not existing then
   -- Unforced: the first alive candidate no busier than its bounds. Forced (the last
   -- try): the alive candidate with the fewest live reservations now, first on ties.
-  local chosen_inflight = nil
+  -- Unforced with every candidate busier than its bounds: the one with the fewest
+  -- live reservations now, when it has no more than the pool's mean (taking it cannot
+  -- make it the busiest; a view many changes behind then costs no second call).
+  local least, least_st = nil, nil
   for i = 1, n do
     local c = candidate(i)
     if c == nil then return fail('bad_arg', 'candidate ' .. i) end
     local last_seen = redis.call('HGET', K_LAST_SEEN, c.id)
-    if last_seen and now - tonumber(last_seen) <= ttl then
+    local st = last_seen and now - tonumber(last_seen) <= ttl and slot_state(c.id)
+    if st then
       saw_alive = true
-      local inflight = num(K_INFLIGHT, c.id)
+      local inflight = st.pending + st.decode
       local max_slots = enforce and num(K_MAX_SLOTS, c.id) or 0
       if max_slots > 0 and inflight >= max_slots then
         saw_full = true
-        local e = earliest_end(c.id, num(K_EPOCH, c.id))
-        local wait = e > 0 and math.max(0, e - now) or 0
+        local wait = st.earliest > 0 and math.max(0, st.earliest - now) or 0
         if min_slot_ms == nil or wait < min_slot_ms then min_slot_ms = wait end
-      elseif force then
-        if chosen == nil or inflight < chosen_inflight then chosen, chosen_inflight = c, inflight end
-      elseif inflight <= c.max_inflight and num(K_PENDING, c.id) <= c.max_pending then
-        chosen = c
-        break
+      else
+        if least == nil or inflight < least_st.base then least, least_st = c, st end
+        if not force and inflight <= c.max_inflight and st.pending <= c.max_pending then
+          chosen, chosen_st = c, st
+          break
+        end
       end
     end
+  end
+  if force then
+    chosen, chosen_st = least, least_st
+  elseif chosen == nil and least ~= nil
+      and least_st.base * redis.call('HLEN', K_SLOT) <= pool_counts().total then
+    chosen, chosen_st = least, least_st
   end
 end
 
 -- Then write: the carried transitions first, whatever the status.
-local carried, bumps = apply_carried(11 + 5 * n, m, KEYS[22], now)
+local carried, bumps = apply_carried(11 + 5 * n, m, KEYS[17], now)
 local run = run_id(now)
 local spec_gen = num(K_META, 'spec_gen')
 local function view(patch)
+  commit_state()
   if patch then return {run, spec_gen, now, false, false, patch[1], patch[2], patch[3]} end
-  local state_ver = num(K_META, 'state_ver')
+  local state_ver = pool_counts().ver
   -- The caller holds this state already (it applies the carried changes itself).
   if ARGV[9] == run .. ':' .. (state_ver - bumps) then
     return {run, spec_gen, now, false, false, state_ver, -1, ''}
@@ -152,22 +167,17 @@ if not chosen then
 end
 
 if not leased then redis.call('ZADD', K_NODES, now + lease_ms, node) end
-local id = chosen.id
+local id, st = chosen.id, chosen_st
 local epoch = num(K_EPOCH, id)
-local start = math.max(now, num(K_PREFILL_FREE, id))
-local first_token_at = start + chosen.prefill_ms
+local first_token_at = math.max(now, st.free_at) + chosen.prefill_ms
 local end_at = first_token_at + chosen.decode_ms
 local ttft = first_token_at - now
-redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', first_token_at))
-local inflight = redis.call('HINCRBY', K_INFLIGHT, id, 1)
-local pending = redis.call('HINCRBY', K_PENDING, id, 1)
-redis.call('HINCRBY', K_PENDING_MS, id, chosen.prefill_ms)
 redis.call('HSET', K_RES, rid, encode_record({instance = id, epoch = epoch, node = node,
   phase = 'prefill', prompt_tokens = prompt, expected_output_tokens = expected,
   prefill_ms = chosen.prefill_ms, decode_ms = chosen.decode_ms, created_ms = now,
   first_token_at_ms = first_token_at, end_at_ms = end_at, predicted_ttft_ms = ttft}))
 redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, epoch, end_at, rid))
-redis.call('SADD', KEYS[22], rid)
--- inflight counts both phases: the rest of it is the decode count.
-local patch = publish_state(id, epoch, pending, inflight - pending, first_token_at)
-return {'ok', id, epoch, ttft, chosen.prefill_ms, chosen.decode_ms, carried, view(patch)}
+redis.call('SADD', KEYS[17], rid)
+st.pending, st.pending_ms, st.free_at = st.pending + 1, st.pending_ms + chosen.prefill_ms, first_token_at
+earliest_joined(st, end_at)
+return {'ok', id, epoch, ttft, chosen.prefill_ms, chosen.decode_ms, carried, view(write_state(st))}

@@ -1,7 +1,7 @@
 -- restore: re-assert a node's live reservation after Redis lost or missed it.
 -- Idempotent: an existing record is only advanced (prefill -> decode), never doubled.
--- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
--- KEYS[22] = {pool}:node:<node>:rids  the owning node's reservation set
+-- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[17] = {pool}:node:<node>:rids  the owning node's reservation set
 -- ARGV[1] = rid
 -- ARGV[2] = node id (must hold a live lease: the caller renews it first)
 -- ARGV[3] = instance id (used only when Redis holds no record of the rid)
@@ -35,44 +35,35 @@ if not lease_held(node, now) then return {'nolease'} end
 local raw = redis.call('HGET', K_RES, rid)
 if raw then
   local rec = cjson.decode(raw)
-  local at = rec.instance
-  local current = tonumber(redis.call('HGET', K_EPOCH, at) or '-1') == rec.epoch
   if rec.phase == 'prefill' and phase == 'decode' then
-    redis.call('ZREM', K_BY_INSTANCE, lex_member(at, rec.epoch, rec.end_at_ms, rid))
-    rec.phase, rec.first_token_at_ms, rec.end_at_ms = 'decode', now, now + rec.decode_ms
-    redis.call('HSET', K_RES, rid, encode_record(rec))
-    redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(at, rec.epoch, rec.end_at_ms, rid))
-    if current then
-      add(K_PENDING, at, -1)
-      redis.call('HINCRBY', K_DECODE, at, 1)
-      rechain_after_first_token(at, now, add(K_PENDING_MS, at, 0 - rec.prefill_ms))
-      sync_state(at)
-    end
-    return {'advanced', at, rec.epoch}
+    first_token(rid, now)
+    commit_state()
+    return {'advanced', rec.instance, rec.epoch}
   end
-  return {'exists', at, rec.epoch}
+  return {'exists', rec.instance, rec.epoch}
 end
 local stored_epoch = redis.call('HGET', K_EPOCH, id)
 if not stored_epoch then return {'unknown'} end
 if tonumber(stored_epoch) ~= epoch then return {'void'} end
+local st = slot_state(id)
+if not st then return {'unknown'} end
 local rec = {instance = id, epoch = epoch, node = node, phase = phase, prompt_tokens = prompt,
   expected_output_tokens = expected, prefill_ms = prefill_ms, decode_ms = decode_ms,
   created_ms = now, predicted_ttft_ms = 0}
-redis.call('HINCRBY', K_INFLIGHT, id, 1)
 if phase == 'prefill' then
-  local start = math.max(now, num(K_PREFILL_FREE, id))
-  rec.first_token_at_ms = start + prefill_ms
+  rec.first_token_at_ms = math.max(now, st.free_at) + prefill_ms
   rec.end_at_ms = rec.first_token_at_ms + decode_ms
-  redis.call('HINCRBY', K_PENDING, id, 1)
-  redis.call('HINCRBY', K_PENDING_MS, id, prefill_ms)
-  redis.call('HSET', K_PREFILL_FREE, id, string.format('%d', rec.first_token_at_ms))
+  st.pending, st.pending_ms = st.pending + 1, st.pending_ms + prefill_ms
+  st.free_at = rec.first_token_at_ms
 else
   rec.first_token_at_ms = now
   rec.end_at_ms = now + decode_ms
-  redis.call('HINCRBY', K_DECODE, id, 1)
+  st.decode = st.decode + 1
 end
 redis.call('HSET', K_RES, rid, encode_record(rec))
 redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, epoch, rec.end_at_ms, rid))
-redis.call('SADD', KEYS[22], rid)
-sync_state(id)
+redis.call('SADD', KEYS[17], rid)
+earliest_joined(st, rec.end_at_ms)
+write_state(st)
+commit_state()
 return {'restored', id, epoch}

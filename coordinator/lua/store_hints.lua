@@ -1,7 +1,7 @@
 -- store_hints: store engine hints scraped by a node, without touching liveness.
 -- A scrape proves that /metrics answers, not that the engine serves requests: only
 -- the instance's own heartbeats (or a node's probe of a static instance) keep it alive.
--- KEYS[1..21] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
 -- ARGV[1] = instance id
 -- ARGV[2] = engine_running (number >= 0, or '' when not reported)
 -- ARGV[3] = engine_waiting (number >= 0, or '')

@@ -40,7 +40,12 @@ from coordinator.pressure import instance_load
 from coordinator_cli import bench as bench_cli
 from local_fleet.engine_model import EngineModel, EngineTiming
 from tests.conftest import MakeCoordinator
-from tests.helpers import assert_counters_match_reservations, live_reservations, spec
+from tests.helpers import (
+    assert_counters_match_reservations,
+    live_reservations,
+    packed_counters,
+    spec,
+)
 
 BASE = datetime(2023, 11, 16, 18, 17, 3, 979960)
 
@@ -380,16 +385,10 @@ def test_live_slice_without_a_trace_is_the_synthetic_workload() -> None:
 
 
 async def lua_state(c: Any) -> dict[str, Any]:
-    """Raw per-instance columns and reservation records, as Redis stores them."""
-    cols = {}
-    for name in (
-        "inflight",
-        "pending_prefill",
-        "active_decode",
-        "pending_prefill_ms",
-        "prefill_free_at_ms",
-    ):
-        cols[name] = {k: int(v) for k, v in (await c.redis.hgetall(c.keys.column(name))).items()}
+    """Per-instance counters (the packed records) and reservation records, as stored."""
+    stored = await packed_counters(c)
+    counters = ("inflight", "pending_prefill", "active_decode", "pending_prefill_ms")
+    cols = {name: stored[name] for name in (*counters, "prefill_free_at_ms")}
     ends: dict[str, int] = {}
     for member in await c.redis.zrange(c.keys.column("by_instance"), 0, -1):
         stem, end, _ = member.split("|", 2)
@@ -503,7 +502,7 @@ async def test_shared_state_matches_the_lua_scripts(make_coordinator: MakeCoordi
             before = await redis_now(c)
             assert await c.release(rid)
             after = await redis_now(c)
-            free = int(await c.redis.hget(c.keys.column("prefill_free_at_ms"), iid))
+            free = (await packed_counters(c))["prefill_free_at_ms"][iid]
             # A decode-phase release stores no time; a prefill one re-chains from the
             # script's `now`, somewhere between the two reads: the sim must agree with
             # Redis for one of those times.

@@ -36,7 +36,7 @@ from redis.asyncio import Redis
 
 from coordinator.keys import PoolKeys
 from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError, free_port
-from tests.helpers import delete_pool
+from tests.helpers import decode_counters, delete_pool
 
 LEASE_MS = 1500  # every node's lease (COORD_LEASE_MS): a dead node is reaped quickly
 START_TIMEOUT_S = 30.0  # a process must answer its health check by then
@@ -248,21 +248,19 @@ class PoolState:
 async def read_pool(client: Redis, keys: PoolKeys) -> PoolState:
     """Read the pool in one MULTI/EXEC: concurrent scripts cannot interleave."""
     pipe = client.pipeline(transaction=True)
-    for name in COUNTERS:
-        pipe.hgetall(keys.column(name))
+    pipe.hgetall(keys.column("slot"))
+    pipe.getrange(keys.column("state"), 0, -1)
     pipe.hgetall(keys.column("reservations"))
     pipe.hgetall(keys.column("epoch"))
     pipe.zrange(keys.column("nodes"), 0, -1, withscores=True)
     pipe.time()
-    replies = await pipe.execute()
-    seconds, micros = replies[6]
+    slots, state, records, epochs, leases, (seconds, micros) = await pipe.execute()
+    decoded = decode_counters(slots, state)
     return PoolState(
-        counters={
-            n: {k: int(v) for k, v in r.items()} for n, r in zip(COUNTERS, replies[:3], strict=True)
-        },
-        records={rid: json.loads(raw) for rid, raw in replies[3].items()},
-        epochs={k: int(v) for k, v in replies[4].items()},
-        leases={str(n): int(score) for n, score in replies[5]},
+        counters={name: decoded[name] for name in COUNTERS},
+        records={rid: json.loads(raw) for rid, raw in records.items()},
+        epochs={k: int(v) for k, v in epochs.items()},
+        leases={str(n): int(score) for n, score in leases},
         now_ms=int(seconds) * 1000 + int(micros) // 1000,
     )
 

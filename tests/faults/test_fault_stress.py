@@ -46,7 +46,7 @@ from coordinator.keys import PoolKeys
 from local_fleet.embedded import ServerUnavailableError
 from tests.faults.conftest import RedisServer, _die_with_parent
 from tests.faults.fault_proxy import FaultProxy
-from tests.helpers import lex_member, spec
+from tests.helpers import decode_counters, lex_member, spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.real, pytest.mark.timeout(120)]
 
@@ -230,23 +230,24 @@ async def read_pool(client: Redis) -> Pool:
     """Read the pool in one MULTI/EXEC."""
     keys = PoolKeys("lc", POOL)
     pipe = client.pipeline(transaction=True)
-    for name in (*COUNTERS, "pending_prefill_ms", "reservations", "epoch"):
+    for name in ("slot", "reservations", "epoch"):
         pipe.hgetall(keys.column(name))
+    pipe.getrange(keys.column("state"), 0, -1)
     pipe.zrange(keys.column("by_instance"), 0, -1)
     pipe.zrange(keys.column("nodes"), 0, -1, withscores=True)
     pipe.time()
     pipe.smembers(keys.column("voids"))
-    r = await pipe.execute()
-    seconds, micros = r[8]
+    slots, records, epochs, state, index, leases, (seconds, micros), voids = await pipe.execute()
+    decoded = decode_counters(slots, state)
     return Pool(
-        counters={n: {k: int(v) for k, v in r[i].items()} for i, n in enumerate(COUNTERS)},
-        pending_ms={k: int(v) for k, v in r[3].items()},
-        records={rid: json.loads(raw) for rid, raw in r[4].items()},
-        epochs={k: int(v) for k, v in r[5].items()},
-        index=list(r[6]),
-        leases={str(n): int(score) for n, score in r[7]},
+        counters={name: decoded[name] for name in COUNTERS},
+        pending_ms=decoded["pending_prefill_ms"],
+        records={rid: json.loads(raw) for rid, raw in records.items()},
+        epochs={k: int(v) for k, v in epochs.items()},
+        index=list(index),
+        leases={str(n): int(score) for n, score in leases},
         now_ms=int(seconds) * 1000 + int(micros) // 1000,
-        voids={str(v) for v in r[9]},
+        voids={str(v) for v in voids},
     )
 
 

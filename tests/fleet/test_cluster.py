@@ -17,6 +17,7 @@ import pytest
 from redis import Redis
 
 from local_fleet.cluster import LocalCluster, free_port_block
+from tests.helpers import COUNTER_COLUMNS, decode_counters
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 
@@ -69,11 +70,10 @@ async def test_burst_through_every_node_then_counters_are_zero(cluster: LocalClu
     try:
         deadline = time.monotonic() + 10
         while True:
-            counters = {
-                name: client.hgetall(f"{stem}:{name}")
-                for name in ("inflight", "pending_prefill", "active_decode")
-            }
-            if all(int(v) == 0 for col in counters.values() for v in col.values()):
+            counters = decode_counters(
+                client.hgetall(f"{stem}:slot"), client.get(f"{stem}:state") or ""
+            )
+            if all(v == 0 for name in COUNTER_COLUMNS for v in counters[name].values()):
                 break
             assert time.monotonic() < deadline, counters
             await asyncio.sleep(0.05)

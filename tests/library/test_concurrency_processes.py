@@ -21,7 +21,12 @@ from redis.asyncio import Redis
 
 from coordinator import Coordinator, Settings
 from coordinator.keys import PoolKeys
-from tests.helpers import COUNTER_COLUMNS, assert_counters_match_reservations, spec
+from tests.helpers import (
+    COUNTER_COLUMNS,
+    assert_counters_match_reservations,
+    decode_counters,
+    spec,
+)
 
 PROCESSES = 4
 CYCLES = 500  # per process
@@ -74,16 +79,14 @@ async def _worker(redis_url: str, pool: str, node_id: str) -> dict[str, Any]:
 
 
 async def sample(client: Redis, keys: PoolKeys) -> dict[str, Any]:
-    """Counter columns and reservation records read atomically (one MULTI/EXEC)."""
+    """Counters and reservation records read atomically (one MULTI/EXEC)."""
     pipe = client.pipeline(transaction=True)
-    for name in (*COUNTER_COLUMNS, "reservations"):
-        pipe.hgetall(keys.column(name))
-    replies = await pipe.execute()
-    out: dict[str, Any] = {
-        name: {k: int(v) for k, v in reply.items()}
-        for name, reply in zip(COUNTER_COLUMNS, replies, strict=False)
-    }
-    out["reservations"] = {rid: json.loads(raw) for rid, raw in replies[-1].items()}
+    pipe.hgetall(keys.column("slot"))
+    pipe.getrange(keys.column("state"), 0, -1)
+    pipe.hgetall(keys.column("reservations"))
+    slots, state, records = await pipe.execute()
+    out: dict[str, Any] = decode_counters(slots, state)
+    out["reservations"] = {rid: json.loads(raw) for rid, raw in records.items()}
     return out
 
 
@@ -169,8 +172,7 @@ async def test_processes_hammering_one_pool_leave_exact_zero(
     final = await sample(real_client, setup.keys)
     assert final["reservations"] == {}
     for name in (*COUNTER_COLUMNS, "pending_prefill_ms"):
-        stored = await real_client.hgetall(setup.keys.column(name))
-        assert stored == {f"i{i}": "0" for i in range(INSTANCES)}, (name, stored)
+        assert final[name] == {f"i{i}": 0 for i in range(INSTANCES)}, (name, final[name])
     assert await real_client.zcard(setup.keys.column("by_instance")) == 0
     for k in range(PROCESSES):
         assert await real_client.scard(setup.keys.node_rids(f"proc-{k}")) == 0

@@ -43,7 +43,13 @@ from coordinator import (
 )
 from coordinator.connection import connect_redis
 from tests.conftest import MakeCoordinator
-from tests.helpers import assert_counters_match_reservations, delete_pool, live_reservations, spec
+from tests.helpers import (
+    assert_counters_match_reservations,
+    delete_pool,
+    live_reservations,
+    packed_counters,
+    spec,
+)
 
 T = TypeVar("T")
 
@@ -314,8 +320,8 @@ class ReservationMachine(RuleBasedStateMachine):
         for rec in records.values():
             if rec["phase"] == "prefill":
                 pending_ms[rec["instance"]] += rec["prefill_ms"]
-        stored = self.run(lambda: node.redis.hgetall(node.keys.column("pending_prefill_ms")))
-        assert {k: int(v) for k, v in stored.items()} == pending_ms
+        stored = self.run(lambda: packed_counters(node))
+        assert stored["pending_prefill_ms"] == pending_ms
         for k, n in enumerate(self.nodes):
             mine = {rid for rid in self.live if self.owner[rid] == k}
             assert mine <= set(n.local_reservations)

@@ -17,6 +17,7 @@ from coordinator.snapshot import PoolCache
 from tests.conftest import MakeCoordinator
 from tests.helpers import (
     assert_counters_match_reservations,
+    counters,
     delete_pool,
     live_reservations,
     spec,
@@ -160,10 +161,20 @@ async def test_a_current_view_gets_only_the_changed_records(
     assert [view[3] for view in views] == [None] * 3, "no whole state for a current view"
     assert all(len(reply) == 4 for name, reply in replies if name != "reserve")
 
-    # Peers take every instance: each of a's candidates is busier than a saw it.
+    # Peers take every instance once: each of a's candidates is busier than a saw it,
+    # but none is busier than the pool's mean, so a takes the least busy at once.
     taken = [await b.reserve(100, 10) for _ in range(POOL_SIZE)]
     assert {r.instance_id for r in taken} == set(a._cache.rows)
-    held = await a.reserve(100, 10)
+    taken.append(await a.reserve(100, 10))
+    assert [reply[0] for name, reply in replies[-1:]] == ["ok"]
+    # Then a second time the ten instances a may choose from: every candidate is
+    # busier than a saw it and than the pool's mean, so the node decides again.
+    allowed = sorted(a._cache.rows)[:10]
+    others = set(a._cache.rows) - set(allowed)
+    taken += [await b.reserve(100, 10, exclude=others) for _ in range(10)]
+    inflight = (await counters(a))["inflight"]
+    assert all(inflight[iid] >= 2 for iid in allowed)
+    held = await a.reserve(100, 10, exclude=others)
     statuses = [(reply[0], reply[-1][3] is not None) for name, reply in replies[-2:]]
     assert statuses == [("stale", True), ("ok", False)], "the retry decides on the whole state"
     await assert_state_is_redis(a)
