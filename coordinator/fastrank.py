@@ -11,7 +11,7 @@ candidates are materialized as InstanceLoad rows with their Score objects.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -170,7 +170,7 @@ class ColumnarPool:
         k: int,
         room_only: bool = False,
         request: RequestShape | None = None,
-    ) -> tuple[list[InstanceLoad], dict[str, Score]]:
+    ) -> tuple[list[InstanceLoad], Mapping[str, Score]]:
         """The reference least_load's first k candidates and their scores.
 
         `room_only` leaves out instances at max_slots, as if they were not eligible.
@@ -254,21 +254,25 @@ class ColumnarPool:
         prefills = prefill[order].tolist() if prefill is not None else None
         shown = dict(wmap)  # the scores' own copy: the kept one is never handed out
         loads: list[InstanceLoad] = []
-        scores: dict[str, Score] = {}
+        build: dict[str, Callable[[], Score]] = {}
         for j, i in enumerate(chosen.tolist()):
             iid = self.ids[i]
             load = instance_load(
                 cache.rows[iid], now, instance_ttl_ms=instance_ttl_ms, hint_ttl_ms=hint_ttl_ms
             )
             loads.append(load)
-            raw = _raw(
-                load,
-                None if ttfts is None else ttfts[j],
-                None if prefills is None else prefills[j],
-            )
-            weighted = {name: wmap[name] * raw[name] for name in used}  # type: ignore[operator]
-            scores[iid] = Score(iid, totals[j], raw, weighted, dict(sources), shown)
-        return loads, scores
+
+            def score(load: InstanceLoad = load, j: int = j) -> Score:
+                raw = _raw(
+                    load,
+                    None if ttfts is None else ttfts[j],
+                    None if prefills is None else prefills[j],
+                )
+                weighted = {name: wmap[name] * raw[name] for name in used}  # type: ignore[operator]
+                return Score(load.id, totals[j], raw, weighted, dict(sources), shown)
+
+            build[iid] = score
+        return loads, LazyScores(build)
 
     def backlogs(
         self, cache: PoolCache, now: int, instance_ttl_ms: int, ids: Iterable[str]
@@ -342,6 +346,27 @@ class ColumnarPool:
         if shift:
             ordered = np.concatenate((ordered[shift:tied], ordered[:shift], ordered[tied:]))
         return ordered
+
+
+class LazyScores(Mapping[str, Score]):
+    """The candidates' scores, each built when first read: a reservation keeps only
+    the chosen one's, while /debug/instance_loads reads them all."""
+
+    def __init__(self, build: dict[str, Callable[[], Score]]) -> None:
+        self._build = build
+        self._built: dict[str, Score] = {}
+
+    def __getitem__(self, iid: str) -> Score:
+        score = self._built.get(iid)
+        if score is None:
+            score = self._built[iid] = self._build[iid]()
+        return score
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._build)
+
+    def __len__(self) -> int:
+        return len(self._build)
 
 
 def _raw(load: InstanceLoad, ttft: float | None, prefill: float | None) -> dict[str, float | None]:

@@ -7,7 +7,7 @@ caller keeps per pool; randomness comes from a `random.Random` the caller owns.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.models import InstanceLoad, RequestShape
@@ -65,7 +65,7 @@ class Ranking:
     """Candidates best-first, with the score of every candidate that was scored."""
 
     ranked: list[InstanceLoad]
-    scores: dict[str, Score] = field(default_factory=dict)
+    scores: Mapping[str, Score] = field(default_factory=dict)
     strategy: str = "least_load"
 
     @property
