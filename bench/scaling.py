@@ -41,6 +41,7 @@ from coordinator.coordinator import (  # noqa: E402
     LocalReservation,
 )
 from coordinator.keys import PoolKeys  # noqa: E402
+from coordinator.packed import STATE_BYTES  # noqa: E402
 from coordinator.scripts import SCRIPT_NAMES, script_source  # noqa: E402
 from local_fleet.embedded import EmbeddedRedis  # noqa: E402
 from local_fleet.pools import delete_pool  # noqa: E402
@@ -1021,7 +1022,8 @@ def reasons(r: Results) -> list[str]:
             f"{head} With {top} nodes a request "
             f"made {many['calls_per_req']:.2f} script calls instead of {one['calls_per_req']:.2f}; "
             f"{many['retries_per_req']:.2f} of them were `reserve` retries (`stale`: every candidate "
-            "had become busier than the node's view showed: the guard against herding) and "
+            "had become busier than the node's view showed, and than the pool's mean: the "
+            "guard against herding) and "
             f"{many['carries_per_req']:.2f} `carry` calls (a node of the {top} in one process "
             "waited longer than `carry_ms` between its own reserves). "
             f"Per script call the server spent {one['cpu_us_per_req'] / one['calls_per_req']:.0f} µs "
@@ -1073,18 +1075,13 @@ def reasons(r: Results) -> list[str]:
             f"- With 4 nodes on the pool a request costs {four}: the server is woken less "
             "often per call. The 1-node figure is the worst of the small node counts."
         )
-        out.append(
-            "- Left: the column hashes are the source of truth, so a transition writes each "
-            "counter there and again in the packed record. Making the packed records the "
-            "truth would cut most of the commands; it changes every script and reader."
-        )
         out.append("")
     bytes_miss = [x for x in r.targets if x["target"].startswith("bytes") and not x["met"]]
     if bytes_miss:
         one, many = cell[(64, 1)], cell[(64, top)]
         out += [
             "**Why the bytes target is missed** at 64 instances with many nodes: a `stale` "
-            f"answer to a view behind carries the whole {human_bytes(18 * 64)} `state`, so bytes "
+            f"answer to a view behind carries the whole {human_bytes(STATE_BYTES * 64)} `state`, so bytes "
             f"follow reserve retries. With 1 node a request is {one['calls_per_req']:.2f} script "
             f"calls and {human_bytes(one['bytes_per_req'])}; with {top} nodes "
             f"{many['calls_per_req']:.2f} calls, {many['retries_per_req']:.2f} of them reserve "
@@ -1157,22 +1154,26 @@ def render(r: Results) -> str:
         "## The design being measured",
         "",
         "- **Packed records.** Per pool, two strings hold one fixed-width record per",
-        "  instance slot (coordinator/packed.py): `state`, 18 bytes (pending prefill,",
-        "  active decode, prefill free-at, earliest end), rewritten by every reservation",
-        "  transition, and `live`, 36 bytes (last seen, engine hints), rewritten by",
-        "  heartbeats. The column hashes (`inflight`, `pending_prefill`, ...) stay the",
-        "  source of truth and readable with `redis-cli`.",
+        "  instance slot (coordinator/packed.py): `state`, 24 bytes (pending prefill,",
+        "  active decode, prefill free-at, earliest end, pending prefill ms), the only",
+        "  store of these counters: a transition reads the instance's record",
+        "  (`GETRANGE`), changes it and writes it back (`SETRANGE`), and a call that",
+        "  touches one instance several times (a reserve with its carried mark and",
+        "  release) reads and writes it once; `live`, 36 bytes (last seen, engine",
+        "  hints), rewritten by heartbeats. `coordinator inspect` decodes both.",
         "- **A view kept by changes, read whole at a bounded rate.** Every change of",
         "  `state` bumps the pool's `state_ver`. `reserve`, `mark_first_token` and",
         "  `release` answer with the one record they rewrote and the version it took",
         "  the pool to: a node whose view was at the version before moves its view on",
         "  (a lone node never reads the pool again); a node behind applies the record",
         "  to its slot. The whole `state` comes only in a `reserve` reply that did not",
-        "  reserve (`stale`: every candidate got busier, the node decides again on",
-        "  fresh rows) to a view that is behind, and from `read_state` when the view has",
-        "  not been current for `snapshot_max_age_ms` (1 s); `live` every",
-        "  `live_refresh_ms` (2 s). Nodes send their best 8 candidates (`top_k`), so a",
-        "  `stale` answer needs all 8 taken.",
+        "  reserve (`stale`: the node decides again on fresh rows) to a view that is",
+        "  behind, and from `read_state` when the view has not been current for",
+        "  `snapshot_max_age_ms` (1 s); `live` every `live_refresh_ms` (2 s). Nodes",
+        "  send their best 8 candidates (`top_k`) with bounds; when every one got",
+        "  busier than its bound, `reserve` still takes the least busy if it has no",
+        "  more live reservations than the pool's mean (meta `inflight_total` over the",
+        "  registered instances), so `stale` needs all 8 above the mean.",
         "- **One call per request.** The proxy does not wait for a request's first-token",
         "  mark or release (`first_token_soon`, `release_soon`): the node holds them for",
         "  its next `reserve`, which applies them first in the same call, or sends all it",
@@ -1264,9 +1265,9 @@ def render(r: Results) -> str:
         f"({s1k['reserve_carrying']:.0f} µs at 1,024); the three",
         f"scripts called one by one take {s64['reserve'] + s64['mark_first_token'] + s64['release']:.0f} µs "
         f"({s1k['reserve'] + s1k['mark_first_token'] + s1k['release']:.0f} µs). A reply carries the "
-        "18-byte records its call rewrote,",
-        f"while `read_state` carries the {human_bytes(18 * 64)} /",
-        f"{human_bytes(18 * 1024)} `state` string. A request cycle sent in pipelines of 500 (the",
+        f"{STATE_BYTES}-byte records its call rewrote,",
+        f"while `read_state` carries the {human_bytes(STATE_BYTES * 64)} /",
+        f"{human_bytes(STATE_BYTES * 1024)} `state` string. A request cycle sent in pipelines of 500 (the",
         f"server never waits for a call) costs {s64['pipelined_cpu']:.0f} / {s1k['pipelined_cpu']:.0f} µs of server CPU "
         f"({s64['pipelined_usec']:.0f} / {s1k['pipelined_usec']:.0f} µs inside scripts).",
         "",
@@ -1301,7 +1302,7 @@ def render(r: Results) -> str:
         f"{SHARD_BUDGET:.0%} of one core). Each pool must also fit in one shard: a pool above the",
         "one-shard rate must be split into sub-pools. Pools larger than 1,024 instances",
         "were not measured on the request path; their `read_state` and `stale` replies",
-        "grow by 18 bytes per instance.",
+        f"grow by {STATE_BYTES} bytes per instance.",
         "",
         *t["fleet"],
         "",
