@@ -221,13 +221,15 @@ end
 -- This call's copy of the pool's change counters in meta: state_ver (every change of
 -- `state` bumps it by one, so a node holding the version before a change can apply
 -- that change's record alone) and inflight_total (the live reservations of the whole
--- pool: the sum over `state`). Read once, written once by commit_state.
+-- pool: the sum over `state`). Read once, written once by commit_state; run_id and
+-- spec_gen come with them (false and 0 when meta does not exist).
 local pool_meta = nil
 
 local function pool_counts()
   if not pool_meta then
-    local m = redis.call('HMGET', K_META, 'state_ver', 'inflight_total')
-    pool_meta = {ver = tonumber(m[1]) or 0, total = tonumber(m[2]) or 0, dirty = false}
+    local m = redis.call('HMGET', K_META, 'state_ver', 'inflight_total', 'run_id', 'spec_gen')
+    pool_meta = {ver = tonumber(m[1]) or 0, total = tonumber(m[2]) or 0, dirty = false,
+      run = m[3], spec_gen = tonumber(m[4]) or 0}
   end
   return pool_meta
 end

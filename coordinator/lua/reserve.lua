@@ -141,8 +141,8 @@ end
 
 -- Then write: the carried transitions first, whatever the status.
 local carried, bumps = apply_carried(11 + 5 * n, m, KEYS[17], now)
-local run = run_id(now)
-local spec_gen = num(K_META, 'spec_gen')
+local run = pool_counts().run or run_id(now)
+local spec_gen = pool_counts().spec_gen
 local function view(patch)
   commit_state()
   if patch then return {run, spec_gen, now, false, false, patch[1], patch[2], patch[3]} end
