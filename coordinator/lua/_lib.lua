@@ -98,8 +98,7 @@ end
 -- Index member of a reservation: '<id>#<epoch:010d>|<end_at_ms:015d>|<rid>', so one
 -- instance's current epoch is one lex range, ordered by predicted end.
 local function lex_member(id, epoch, end_at, rid)
-  return id .. '#' .. string.format('%010d', epoch) .. '|' .. string.format('%015d', end_at)
-    .. '|' .. rid
+  return string.format('%s#%010d|%015d|%s', id, epoch, end_at, rid)
 end
 
 -- A reservation record as stored: JSON (cjson.decode reads it), formatted directly
@@ -116,8 +115,7 @@ local function encode_record(r)
 end
 
 local function epoch_range(id, epoch)
-  local stem = id .. '#' .. string.format('%010d', epoch)
-  return '[' .. stem .. '|', '(' .. stem .. '}'
+  return string.format('[%s#%010d|', id, epoch), string.format('(%s#%010d}', id, epoch)
 end
 
 -- Longest predicted prefill or decode time (ms): one day. Callers clamp predictions
@@ -423,7 +421,7 @@ local function first_token(rid, now)
   rec.first_token_at_ms = now
   rec.end_at_ms = now + rec.decode_ms
   redis.call('HSET', K_RES, rid, encode_record(rec))
-  redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, rec.epoch, rec.end_at_ms, rid))
+  redis.call('ZADD', K_BY_INSTANCE, '0', lex_member(id, rec.epoch, rec.end_at_ms, rid))
   if tonumber(redis.call('HGET', K_EPOCH, id) or '-1') ~= rec.epoch then return 'ok' end
   local st = slot_state(id)
   if not st then return 'ok' end

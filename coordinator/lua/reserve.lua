@@ -176,7 +176,7 @@ redis.call('HSET', K_RES, rid, encode_record({instance = id, epoch = epoch, node
   phase = 'prefill', prompt_tokens = prompt, expected_output_tokens = expected,
   prefill_ms = chosen.prefill_ms, decode_ms = chosen.decode_ms, created_ms = now,
   first_token_at_ms = first_token_at, end_at_ms = end_at, predicted_ttft_ms = ttft}))
-redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, epoch, end_at, rid))
+redis.call('ZADD', K_BY_INSTANCE, '0', lex_member(id, epoch, end_at, rid))
 redis.call('SADD', KEYS[17], rid)
 st.pending, st.pending_ms, st.free_at = st.pending + 1, st.pending_ms + chosen.prefill_ms, first_token_at
 earliest_joined(st, end_at)

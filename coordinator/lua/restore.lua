@@ -61,7 +61,7 @@ else
   st.decode = st.decode + 1
 end
 redis.call('HSET', K_RES, rid, encode_record(rec))
-redis.call('ZADD', K_BY_INSTANCE, 0, lex_member(id, epoch, rec.end_at_ms, rid))
+redis.call('ZADD', K_BY_INSTANCE, '0', lex_member(id, epoch, rec.end_at_ms, rid))
 redis.call('SADD', KEYS[17], rid)
 earliest_joined(st, rec.end_at_ms)
 write_state(st)
