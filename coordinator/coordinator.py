@@ -503,7 +503,7 @@ class Coordinator:
         """Score inputs from the cache (degraded: local counters, no predicted layer)."""
         s = self.settings
         if not self._degraded:
-            now = self._cache.now_ms
+            now = self._cache.estimated_now_ms()
             rows = [
                 instance_load(r, now, instance_ttl_ms=s.instance_ttl_ms, hint_ttl_ms=s.hint_ttl_ms)
                 for r in self._cache.rows.values()
@@ -700,7 +700,10 @@ class Coordinator:
         if not request.cached_tokens or guard_ms <= 0:
             return request
         floor, backlogs = self._columns_view.backlogs(
-            self._cache, self._cache.now_ms, self.settings.instance_ttl_ms, request.cached_tokens
+            self._cache,
+            self._cache.estimated_now_ms(),
+            self.settings.instance_ttl_ms,
+            request.cached_tokens,
         )
         if floor is None:
             return request
@@ -779,7 +782,7 @@ class Coordinator:
         s = self.settings
         ranked, scores = self._columns_view.rank_least_load(
             self._cache,
-            self._cache.now_ms,
+            self._cache.estimated_now_ms(),
             s.weights,
             self._rr,
             instance_ttl_ms=s.instance_ttl_ms,

@@ -11,7 +11,7 @@ import pytest
 from coordinator import Coordinator
 from coordinator import coordinator as coordinator_module
 from coordinator.errors import CoordinationUnavailableError
-from coordinator.models import Hint
+from coordinator.models import Hint, RequestShape
 from coordinator.packed import LIVE_BYTES, STATE_BYTES, LiveRecord, pack_live
 from coordinator.snapshot import PoolCache
 from tests.conftest import MakeCoordinator
@@ -405,3 +405,31 @@ def test_a_patch_after_new_liveness_builds_the_new_liveness() -> None:
     fresh.apply_view("run", 0, now + 10, cache.state, cache.live, 2)
     fresh.apply_specs([s.id, s.to_json(), 1, 0, 0], full=True)
     assert fresh.rows == cache.rows
+
+
+async def test_a_view_is_scored_at_the_current_time_not_at_its_last_read(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    a, b = await two_nodes(make_coordinator)
+    # Seconds of predicted prefill on every instance.
+    held = [await b.reserve(20_000, 10) for _ in range(POOL_SIZE)]
+    await a.refresh()
+    request = RequestShape(10, 10, {})
+
+    def least_backlog() -> tuple[float, float]:
+        """The least predicted backlog in the snapshot, and among the ranked candidates."""
+        rows = a._current_snapshot().rows
+        scores = a._rank_for_reserve(None, frozenset(), request).scores
+        return (
+            min(float(row.predicted_total_backlog_ms or 0) for row in rows),
+            min(float(score.components["backlog_ms"] or 0) for score in scores.values()),
+        )
+
+    before = least_backlog()
+    assert min(before) > 1000
+    # Half a second passes with no Redis call: every prefill is half a second nearer.
+    a._cache.clock_mono -= 0.5
+    after = least_backlog()
+    assert all(b - c >= 500 for b, c in zip(before, after, strict=True)), (before, after)
+    for res in held:
+        await b.release(res.rid)
