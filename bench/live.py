@@ -24,7 +24,14 @@ than the fleet the simulator models:
   `hint_interval_ms`) and expire after `HINT_TTL_ENGINE_MS`;
 - least_load's `backlog_ms`, `ttft_ms` and `prefill_ms` weights are multiplied by the
   speed, and the prefix hot-spot guard and hot window divided by it, as the times the
-  nodes compute are real ms.
+  nodes compute are real ms;
+- how old a node's view of the pool may get (`snapshot_max_age_ms`, `live_refresh_ms`),
+  how long it holds first-token marks and releases (`carry_ms`) and how often it
+  merges learned timing (`timing_flush_ms`) are divided by it (`NODE_TIMES`), and the
+  sim's nodes keep their views for the same engine time. A view that is `speed` times
+  older in engine time sees `speed` times more of the other nodes' reservations
+  late; on Mooncake's long prompts (issue 16) that alone made live TTFT p50 1.43x
+  the sim's at speed 1.5.
 
 Prefix caching (`--prefix-cache-tokens`, for traces with `hash_ids`): the mock engines
 keep a prefix cache of that many tokens, and each trace block id becomes the same
@@ -99,6 +106,12 @@ PROGRESS_EVERY_S = 2.0  # stderr progress period
 PREDICTION_WARMUP = 150  # requests before prediction accuracy is counted (learning first)
 FILLER = "lorem ipsum dolor sit amet consectetur adipiscing elit "  # ASCII: 1 char = 1 byte
 BLOCK_CHARS = TRACE_BLOCK_TOKENS * CHARS_PER_TOKEN  # one trace block as text (chars/4 rule)
+
+# The nodes' time knobs (ms) that the live bench divides by the speed, their defaults
+# in engine time; the sim gets the same engine times (LiveConfig.node_times).
+NODE_TIMES = ("snapshot_max_age_ms", "live_refresh_ms", "carry_ms", "timing_flush_ms")
+NODE_TIMES_ZERO_OK = ("snapshot_max_age_ms", "carry_ms")  # 0 is valid (the others: >= 1)
+MAX_CARRY_MS = 1000  # the most Settings.carry_ms accepts
 
 Progress = Callable[[str], None]
 
@@ -192,10 +205,21 @@ class LiveConfig:
             prefill_ms=w.prefill_ms * self.rate,
         )
 
+    def node_times(self) -> dict[str, int]:
+        """The NODE_TIMES knobs of the live nodes in real ms: their defaults / the speed."""
+        s = Settings()
+        times = {
+            name: max(0 if name in NODE_TIMES_ZERO_OK else 1, round(getattr(s, name) / self.rate))
+            for name in NODE_TIMES
+        }
+        times["carry_ms"] = min(times["carry_ms"], MAX_CARRY_MS)
+        return times
+
     def node_env(self, preset: str = DEFAULT_WEIGHTS) -> dict[str, str]:
         """COORD_* variables that put the nodes' time-based knobs on engine time."""
         weights = ",".join(f"{k}={v!r}" for k, v in self.weights(preset).as_dict().items())
         return {
+            **{f"COORD_{name.upper()}": str(ms) for name, ms in self.node_times().items()},
             "COORD_SCRAPE_INTERVAL_S": repr(self.scrape_interval_s),
             "COORD_HINT_TTL_MS": str(self.hint_ttl_ms),
             "COORD_WEIGHTS": weights,
@@ -223,6 +247,7 @@ class LiveConfig:
 
     def sim_config(self, preset: str = DEFAULT_WEIGHTS) -> SimConfig:
         """The simulated fleet that matches this live one, in engine time."""
+        times = self.node_times()
         return SimConfig(
             instances=self.instances,
             nodes=self.nodes,
@@ -235,6 +260,11 @@ class LiveConfig:
             speeds=self.speeds,
             registered_timing=self.registered_timing,
             learn=True,  # the nodes always learn; registered exact timing stays close
+            timing_flush_ms=round(times["timing_flush_ms"] * self.rate),
+            snapshot_max_age_ms=round(times["snapshot_max_age_ms"] * self.rate),
+            live_refresh_ms=round(
+                min(times["live_refresh_ms"], Settings().instance_ttl_ms / 4) * self.rate
+            ),
         )
 
 
@@ -913,7 +943,8 @@ def describe(run: LiveRun) -> str:
         f"{run.span_ms / 1000:,.1f} s of engine time), {c.instances} mock engines, "
         f"{c.nodes} proxy nodes, speed {c.rate:g} "
         f"(real time = engine time / {c.rate:g}); hints scraped every "
-        f"{c.sim_config().hint_interval_ms:,.0f} ms of engine time in both; "
+        f"{c.sim_config().hint_interval_ms:,.0f} ms of engine time in both, node views "
+        f"read again once {c.sim_config().snapshot_max_age_ms:,} ms old; "
         f"{run.output_tokens:,} output tokens; total runtime {run.runtime_s:.0f} s"
     )
 

@@ -5,13 +5,17 @@ release}.lua operation by operation, so `coordinator.pressure.instance_load` and
 `coordinator.strategies` run unchanged on the `InstanceRow`s it produces. Times are
 integer ms passed in by the caller (the simulated Redis clock). Left out, because
 the simulator never exercises them: TTLs and leases, epoch bumps (every record's
-epoch matches), max_slots enforcement, and the candidate load guard of reserve
-(simulated decisions are serialized, so the first candidate always wins).
+epoch matches) and max_slots enforcement. The candidate load guard of reserve is
+`SharedState.within`; the simulator runs the candidate loop with it.
+
+`NodeView` is what one node holds of the state between reads (coordinator/snapshot.py's
+PoolCache): the rows of its last read, with the records its own scripts' replies
+rewrote since, and the hints of its last liveness read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from coordinator.models import HINT_NAMES, Hint, InstanceRow, InstanceSpec
 from coordinator.timing import TimingSource
@@ -223,3 +227,72 @@ class SharedState:
     def rows(self) -> list[InstanceRow]:
         """Every instance's row, in registration order."""
         return [self.row(iid) for iid in self._instances]
+
+    def within(self, instance_id: str, max_inflight: int, max_pending: int) -> bool:
+        """reserve.lua's check of an unforced candidate: no busier than its bounds."""
+        inst = self._instances[instance_id]
+        return inst.inflight <= max_inflight and inst.pending_prefill <= max_pending
+
+    def inflight(self, instance_id: str) -> int:
+        """Live reservations of one instance (what a forced reserve compares)."""
+        return self._instances[instance_id].inflight
+
+
+class NodeView:
+    """One node's view of a SharedState, kept as a node's PoolCache keeps it.
+
+    `ensure` is Coordinator._ensure_view: the whole state is read again when the last
+    read is older than `max_age_ms` (0: before every decision) or liveness is due
+    (`live_refresh_ms`, 0: every time), and only a liveness read brings new hints.
+    Between reads, a reply of this node's own scripts rewrites the record of the
+    instance it touched (`patch`: the current counters of that instance, peers'
+    reservations included, as reserve.lua's and the carried transitions' records do);
+    every other row stays as read. `now_ms` is the Redis time of the last read or
+    reserve reply: what the node ranks at.
+    """
+
+    def __init__(self, state: SharedState, max_age_ms: int, live_refresh_ms: int) -> None:
+        self.state = state
+        self.max_age_ms = max_age_ms
+        self.live_refresh_ms = live_refresh_ms
+        self.rows: dict[str, InstanceRow] = {}
+        self.now_ms = 0
+        self.reads = 0  # whole-state reads (decisions, reserve retries)
+        self._hints: dict[str, dict[str, Hint]] = {}
+        self._read_ms: int | None = None
+        self._live_ms: int | None = None
+
+    def ensure(self, now_ms: int) -> None:
+        """Read the state if it is too old to decide on, or its liveness is due."""
+        live = self._live_ms is None or now_ms - self._live_ms >= self.live_refresh_ms
+        if (
+            live
+            or self._read_ms is None
+            or self.max_age_ms == 0
+            or now_ms - self._read_ms > self.max_age_ms
+        ):
+            self.read(now_ms, live=live)
+
+    def read(self, now_ms: int, *, live: bool = False) -> None:
+        """The whole state now (read_state, or a reserve reply other than 'ok')."""
+        rows = self.state.rows()
+        if live:
+            self._live_ms = now_ms
+            self._hints = {row.id: row.hints for row in rows}
+        self.rows = {row.id: self._seen(row) for row in rows}
+        self._read_ms = now_ms
+        self.now_ms = now_ms
+        self.reads += 1
+
+    def patch(self, instance_id: str, now_ms: int | None = None) -> None:
+        """A reply rewrote this instance's record; a reserve reply also brings its time."""
+        if self._read_ms is None:
+            return
+        self.rows[instance_id] = self._seen(self.state.row(instance_id))
+        if now_ms is not None:
+            self.now_ms = max(self.now_ms, now_ms)
+
+    def _seen(self, row: InstanceRow) -> InstanceRow:
+        """The row with the hints of the last liveness read."""
+        hints = self._hints.get(row.id, {})
+        return row if row.hints == hints else replace(row, hints=hints)

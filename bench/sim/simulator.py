@@ -6,8 +6,17 @@ rows that `coordinator.pressure.instance_load` derives from an in-memory pool wi
 the Lua scripts' semantics (`shared_state.SharedState`). Arrivals go to the N nodes
 round-robin, as a load balancer in front of them would spread them. Every node keeps
 its own round-robin counter, random generator and expected-output average, like a
-real proxy process; shared state is seen by every node at once (Redis is one round
-trip away and decisions are serialized).
+real proxy process. Decisions are serialized (Redis is one round trip away), but a
+node ranks on its own view of the shared state, as `Coordinator.reserve` does
+(`NodeView`): the whole state read again once it is older than
+`snapshot_max_age_ms`, engine hints only every `live_refresh_ms`, in between only
+the rows its own reserves, first-token marks and releases patch, and the Redis time
+of its last read or reserve as "now". The reserve script then takes the first ranked
+candidate no busier (live reservations, prefill-phase reservations) than the node
+saw it, or than the least busy candidate ranked after it, re-ranks on the whole
+state when every candidate got busier, and forces the least reserved one on its
+last try. Both ages 0 give every node the current state at every decision. Carried
+marks and releases (`carry_ms`) are applied at once.
 
 Strategies:
 
@@ -58,7 +67,7 @@ from bench.sim.prefix_policies import (
     dynamo_choice,
     sglang_choice,
 )
-from bench.sim.shared_state import SharedState
+from bench.sim.shared_state import NodeView, SharedState
 from bench.sim.traces import TRACE_BLOCK_TOKENS, TraceRequest, service_ms
 from coordinator.models import InstanceLoad, InstanceRow, InstanceSpec, RequestShape
 from coordinator.prefix import CachedTokens, HotPrefixes, guarded_cached_tokens, hot_instances
@@ -87,6 +96,11 @@ STRATEGIES = (
 PREFIX_STRATEGIES = ("least_load_affinity", "consistent_hash", "sglang_cache_aware", "dynamo_kv")
 ALL_STRATEGIES = STRATEGIES + PREFIX_STRATEGIES
 SHARED = frozenset({"least_load_instantaneous", "least_load", "power_of_two", *PREFIX_STRATEGIES})
+# Strategies a node runs through Coordinator.reserve: ranked on its view, then the
+# reserve script's candidate loop (the prefix baselines model other routers).
+RESERVED = frozenset(
+    {"least_load_instantaneous", "least_load", "power_of_two", "least_load_affinity"}
+)
 EXPECTED_OUTPUT_MODES = ("avg", "true")
 # What instances register: their exact timing, none (learned from traffic), or one
 # shared timing (the base engine's) whatever their true speed.
@@ -125,6 +139,13 @@ class SimConfig:
     registered_timing: str = "exact"  # exact | none | shared (REGISTERED_TIMING)
     learn: bool = False  # nodes learn timing from traffic (coordinator/timing.py)
     timing_flush_ms: int = Settings().timing_flush_ms  # how often a node merges samples
+    # A node's view of the shared state (NodeView): the whole state is read again
+    # when older than this (0: before every decision), and hints every
+    # live_refresh_ms (0: before every decision), as in Coordinator._ensure_view.
+    snapshot_max_age_ms: int = Settings().snapshot_max_age_ms
+    live_refresh_ms: int = min(Settings().live_refresh_ms, Settings().instance_ttl_ms // 4)
+    top_k: int = Settings().top_k  # ranked candidates the reserve script looks at
+    reserve_retries: int = Settings().reserve_retries  # re-ranks before a forced reserve
 
     def __post_init__(self) -> None:
         if any(not (v > 0 and math.isfinite(v)) for v in self.speeds):
@@ -143,6 +164,10 @@ class SimConfig:
             raise ValueError("initial_expected_output must be >= 0 and max_slots >= -1")
         if self.prefix_cache_tokens < 0 or self.block_tokens < 1 or self.prefix_max_blocks < 1:
             raise ValueError("need prefix_cache_tokens >= 0, block_tokens and max blocks >= 1")
+        if self.snapshot_max_age_ms < 0 or self.live_refresh_ms < 0:
+            raise ValueError("snapshot_max_age_ms and live_refresh_ms must be >= 0")
+        if self.top_k < 1 or self.reserve_retries < 0:
+            raise ValueError("need top_k >= 1 and reserve_retries >= 0")
 
     @property
     def registered_max_slots(self) -> int:
@@ -281,6 +306,7 @@ class _Node:
     observations: Observations = field(default_factory=Observations)
     flushed_ms: float = 0.0
     hot: HotPrefixes = field(default_factory=lambda: HotPrefixes(0))  # prefixes it routed
+    view: NodeView | None = None  # its view of the shared state (RESERVED strategies)
 
 
 class Simulation:
@@ -335,9 +361,16 @@ class Simulation:
                 random.Random(f"{c.seed}:{strategy}:{n}"),
                 local=[0] * c.instances,
                 hot=HotPrefixes(c.prefix_hot_ms),
+                view=(
+                    NodeView(self.state, c.snapshot_max_age_ms, c.live_refresh_ms)
+                    if strategy in RESERVED
+                    else None
+                ),
             )
             for n in range(c.nodes)
         ]
+        self.stale_retries = 0  # reserve calls that found every candidate busier
+        self.forced = 0  # reserves forced on the last try
         self.central_rr = RoundRobin()
         # Sequences submitted to each engine and not yet prefilled, FCFS (oracle).
         self.unprefilled: list[deque[int]] = [deque() for _ in self.ids]
@@ -417,6 +450,7 @@ class Simulation:
                 self.queued_prefill[k] -= self.uncached_of.get(r, 0)
                 if self.strategy in SHARED:
                     self.state.mark_first_token(ev.rid, now)
+                    self._patch_view(r, k)
             else:  # done
                 self.finished[r] = at
                 if self.learning:
@@ -430,7 +464,14 @@ class Simulation:
                 self.active_tokens[k] -= req.prompt_tokens + self.expected_of[r]
                 if self.strategy in SHARED:
                     self.state.release(ev.rid, now)
+                    self._patch_view(r, k)
         self._reschedule(k)
+
+    def _patch_view(self, r: int, k: int) -> None:
+        """The node that sent request r gets the record its mark or release rewrote."""
+        view = self.nodes[self.node_of[r]].view
+        if view is not None:
+            view.patch(self.ids[k])
 
     def _scrape(self, k: int, at: float) -> None:
         eng = self.engines[k]
@@ -494,6 +535,8 @@ class Simulation:
                 spec.decode_ms(expected),
                 now,
             )
+            if node.view is not None:
+                node.view.patch(self.ids[k], now)  # reserve's reply: the record it wrote
         node.local[k] += 1
         self._outstanding += 1
         self.unprefilled[k].append(r)
@@ -502,11 +545,11 @@ class Simulation:
         )
         self._reschedule(k)
 
-    def _shared_rows(self, now: int) -> list[InstanceLoad]:
+    def _view_rows(self, view: NodeView) -> list[InstanceLoad]:
         ttl = self.config.hint_ttl_ms
         return [
-            instance_load(row, now, instance_ttl_ms=LIVENESS_TTL_MS, hint_ttl_ms=ttl)
-            for row in self.state.rows()
+            instance_load(row, view.now_ms, instance_ttl_ms=LIVENESS_TTL_MS, hint_ttl_ms=ttl)
+            for row in view.rows.values()
         ]
 
     def _local_rows(self, inflight: list[int]) -> list[InstanceLoad]:
@@ -551,35 +594,99 @@ class Simulation:
             ranking = least_load(
                 self._local_rows(node.local), w, node.rr, use_hints=False, use_predicted=False
             )
-        elif s == "least_load_instantaneous":
-            ranking = least_load(self._shared_rows(now), w, node.rr, use_predicted=False)
-        elif s == "least_load":
-            ranking = least_load(self._shared_rows(now), w, node.rr, request=shape)
-        elif s == "least_load_affinity":
-            ranking = self._affinity_ranking(node, req, now, expected, cached)
-        elif s == "power_of_two":
-            ranking = power_of_two(self._shared_rows(now), w, node.rr, node.rng, shape)
+        elif s in RESERVED:
+            if s == "least_load_affinity":
+                shape = self._affinity_shape(node, req, now, expected, cached)
+            return self._reserve(node, now, shape)
         else:
             return self._oracle(req)
         choice = ranking.choice
         assert choice is not None
         return self.index[choice.id]
 
-    def _affinity_ranking(
+    def _rank(self, node: _Node, shape: RequestShape) -> Ranking:
+        """The node's ranking on its view."""
+        assert node.view is not None
+        w = self.config.weights
+        rows = self._view_rows(node.view)
+        if self.strategy == "least_load_instantaneous":
+            return least_load(rows, w, node.rr, use_predicted=False)
+        if self.strategy == "power_of_two":
+            return power_of_two(rows, w, node.rr, node.rng, shape)
+        return least_load(rows, w, node.rr, request=shape)
+
+    def _reserve(self, node: _Node, now: int, shape: RequestShape) -> int:
+        """Coordinator.reserve on the node's view, then reserve.lua's candidate loop: the
+        first candidate within its bounds, a re-rank on the whole state when every
+        candidate got busier, the least reserved candidate on the last try."""
+        c = self.config
+        view = node.view
+        assert view is not None
+        view.ensure(now)
+        for attempt in range(c.reserve_retries + 1):
+            candidates = self._rank(node, shape).ranked[: c.top_k]
+            assert candidates, "every simulated instance stays alive"
+            if attempt == c.reserve_retries or len(candidates) == 1:
+                self.forced += attempt == c.reserve_retries
+                best = min(candidates, key=lambda cand: self.state.inflight(cand.id))
+                return self.index[best.id]
+            for cand, (most, pending) in zip(
+                candidates, self._guard_bounds(view, candidates, shape), strict=True
+            ):
+                if self.state.within(cand.id, most, pending):
+                    return self.index[cand.id]
+            self.stale_retries += 1
+            view.read(now)  # a 'stale' reply carries the whole state
+        raise AssertionError("unreachable: the last try is forced")
+
+    def _guard_bounds(
+        self, view: NodeView, candidates: Sequence[InstanceLoad], shape: RequestShape
+    ) -> list[tuple[int, int]]:
+        """Coordinator._guard_bounds: per candidate, the live and prefill-phase
+        reservations it may have and still be taken: what the node saw (plus its
+        affinity slack), raised to the least it saw on any candidate ranked after it."""
+        bounds: list[tuple[int, int]] = []
+        floor_inflight = floor_pending = -1
+        for cand in reversed(candidates):
+            row = view.rows[cand.id]
+            slack = self._affinity_slack(cand.spec, shape)
+            inflight, pending = row.inflight + slack, row.pending_prefill + slack
+            bounds.append((max(inflight, floor_inflight), max(pending, floor_pending)))
+            floor_inflight = inflight if floor_inflight < 0 else min(floor_inflight, inflight)
+            floor_pending = pending if floor_pending < 0 else min(floor_pending, pending)
+        bounds.reverse()
+        return bounds
+
+    def _affinity_slack(self, spec: InstanceSpec, shape: RequestShape) -> int:
+        """Coordinator._affinity_slack: the requests a candidate's cache credit outweighs."""
+        cached = shape.cached_on(spec.id)
+        if not cached:
+            return 0
+        w = self.config.weights
+        per_request = w.inflight + w.pending_prefill
+        saved_ms = spec.prefill_ms(shape.prompt_tokens) - spec.prefill_ms(
+            shape.prompt_tokens - cached
+        )
+        if per_request <= 0 or saved_ms <= 0:
+            return 0
+        return int(saved_ms * (w.ttft_ms + w.prefill_ms) / per_request)
+
+    def _affinity_shape(
         self, node: _Node, req: TraceRequest, now: int, expected: int, cached: dict[str, int]
-    ) -> Ranking:
-        """What the node does: the guard on the looked-up cached tokens, then least_load
-        given the request (coordinator/prefix.py, Coordinator.reserve)."""
-        rows = self._shared_rows(now)
+    ) -> RequestShape:
+        """The request as the node ranks it: the hot-spot guard on the looked-up cached
+        tokens, from its view (coordinator/prefix.py, Coordinator._guard_hot_spots)."""
         c = self.config
         if cached:
+            assert node.view is not None
+            node.view.ensure(now)
+            rows = self._view_rows(node.view)
             backlogs = {r.id: r.predicted_total_backlog_ms for r in rows}
             floor = min((b for b in backlogs.values() if b is not None), default=0)
             cached = guarded_cached_tokens(
                 cached, backlogs.get, floor, c.prefix_guard_ms, c.prefix_hot_guard_ms
             )
-        shape = RequestShape(req.prompt_tokens, expected, cached)
-        return least_load(rows, c.weights, node.rr, request=shape)
+        return RequestShape(req.prompt_tokens, expected, cached)
 
     def _prefix_baseline(self, req: TraceRequest, cached: dict[str, int]) -> int:
         c = self.config

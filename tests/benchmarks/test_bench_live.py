@@ -104,6 +104,22 @@ def test_live_config_puts_node_knobs_on_engine_time() -> None:
     sim = config.sim_config()
     assert sim.hint_interval_ms == pytest.approx(1000.0)
     assert sim.expected_output == "true"
+    # How old a node's view may get is on engine time too, and the sim's nodes keep
+    # theirs as long (at speed 4 a 1 s real view would be 4 s of engine time old).
+    s = Settings()
+    assert env["COORD_SNAPSHOT_MAX_AGE_MS"] == str(s.snapshot_max_age_ms // 4)
+    assert env["COORD_LIVE_REFRESH_MS"] == str(s.live_refresh_ms // 4)
+    assert env["COORD_CARRY_MS"] == str(s.carry_ms // 4)
+    assert env["COORD_TIMING_FLUSH_MS"] == str(s.timing_flush_ms // 4)
+    assert (sim.snapshot_max_age_ms, sim.live_refresh_ms, sim.timing_flush_ms) == (
+        s.snapshot_max_age_ms,
+        s.live_refresh_ms,
+        s.timing_flush_ms,
+    )
+    # Slower than real time, liveness still comes every instance_ttl_ms / 4 (real).
+    slow = LiveConfig(speed=0.1).sim_config()
+    assert slow.live_refresh_ms == round(s.instance_ttl_ms / 4 * 0.1)
+    assert slow.snapshot_max_age_ms == s.snapshot_max_age_ms
     with pytest.raises(ValueError):
         _ = LiveConfig().rate  # auto is unresolved until run_live sees the slice
 
