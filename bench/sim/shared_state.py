@@ -247,8 +247,7 @@ class NodeView:
     Between reads, a reply of this node's own scripts rewrites the record of the
     instance it touched (`patch`: the current counters of that instance, peers'
     reservations included, as reserve.lua's and the carried transitions' records do);
-    every other row stays as read. `now_ms` is the Redis time of the last read or
-    reserve reply: what the node ranks at.
+    every other row stays as read.
     """
 
     def __init__(self, state: SharedState, max_age_ms: int, live_refresh_ms: int) -> None:
@@ -256,7 +255,6 @@ class NodeView:
         self.max_age_ms = max_age_ms
         self.live_refresh_ms = live_refresh_ms
         self.rows: dict[str, InstanceRow] = {}
-        self.now_ms = 0
         self.reads = 0  # whole-state reads (decisions, reserve retries)
         self._hints: dict[str, dict[str, Hint]] = {}
         self._read_ms: int | None = None
@@ -281,16 +279,13 @@ class NodeView:
             self._hints = {row.id: row.hints for row in rows}
         self.rows = {row.id: self._seen(row) for row in rows}
         self._read_ms = now_ms
-        self.now_ms = now_ms
         self.reads += 1
 
-    def patch(self, instance_id: str, now_ms: int | None = None) -> None:
-        """A reply rewrote this instance's record; a reserve reply also brings its time."""
+    def patch(self, instance_id: str) -> None:
+        """A reply of this node's scripts rewrote this instance's record."""
         if self._read_ms is None:
             return
         self.rows[instance_id] = self._seen(self.state.row(instance_id))
-        if now_ms is not None:
-            self.now_ms = max(self.now_ms, now_ms)
 
     def _seen(self, row: InstanceRow) -> InstanceRow:
         """The row with the hints of the last liveness read."""

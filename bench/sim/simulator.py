@@ -11,11 +11,12 @@ node ranks on its own view of the shared state, as `Coordinator.reserve` does
 (`NodeView`): the whole state read again once it is older than
 `snapshot_max_age_ms`, engine hints only every `live_refresh_ms`, in between only
 the rows its own reserves, first-token marks and releases patch, and the Redis time
-of its last read or reserve as "now". The reserve script then takes the first ranked
-candidate no busier (live reservations, prefill-phase reservations) than the node
-saw it, or than the least busy candidate ranked after it, re-ranks on the whole
-state when every candidate got busier, and forces the least reserved one on its
-last try. Both ages 0 give every node the current state at every decision. Carried
+of its last read or reserve, extrapolated to the current time, as "now". The reserve
+script then takes the first ranked candidate no busier (live reservations,
+prefill-phase reservations) than the node saw it, or than the least busy candidate
+ranked after it; when every candidate got busier, the least busy one if it has no
+more live reservations than the pool's mean, else the node re-ranks on the whole
+state; the last try forces the least reserved one. Both ages 0 give every node the current state at every decision. Carried
 marks and releases (`carry_ms`) are applied at once.
 
 Strategies:
@@ -536,7 +537,7 @@ class Simulation:
                 now,
             )
             if node.view is not None:
-                node.view.patch(self.ids[k], now)  # reserve's reply: the record it wrote
+                node.view.patch(self.ids[k])  # reserve's reply: the record it wrote
         node.local[k] += 1
         self._outstanding += 1
         self.unprefilled[k].append(r)
@@ -545,10 +546,12 @@ class Simulation:
         )
         self._reschedule(k)
 
-    def _view_rows(self, view: NodeView) -> list[InstanceLoad]:
+    def _view_rows(self, view: NodeView, now: int) -> list[InstanceLoad]:
+        """The view's rows scored at the current time (Coordinator._current_snapshot
+        extrapolates the Redis clock of its last call)."""
         ttl = self.config.hint_ttl_ms
         return [
-            instance_load(row, view.now_ms, instance_ttl_ms=LIVENESS_TTL_MS, hint_ttl_ms=ttl)
+            instance_load(row, now, instance_ttl_ms=LIVENESS_TTL_MS, hint_ttl_ms=ttl)
             for row in view.rows.values()
         ]
 
@@ -604,11 +607,11 @@ class Simulation:
         assert choice is not None
         return self.index[choice.id]
 
-    def _rank(self, node: _Node, shape: RequestShape) -> Ranking:
+    def _rank(self, node: _Node, shape: RequestShape, now: int) -> Ranking:
         """The node's ranking on its view."""
         assert node.view is not None
         w = self.config.weights
-        rows = self._view_rows(node.view)
+        rows = self._view_rows(node.view, now)
         if self.strategy == "least_load_instantaneous":
             return least_load(rows, w, node.rr, use_predicted=False)
         if self.strategy == "power_of_two":
@@ -624,7 +627,7 @@ class Simulation:
         assert view is not None
         view.ensure(now)
         for attempt in range(c.reserve_retries + 1):
-            candidates = self._rank(node, shape).ranked[: c.top_k]
+            candidates = self._rank(node, shape, now).ranked[: c.top_k]
             assert candidates, "every simulated instance stays alive"
             if attempt == c.reserve_retries or len(candidates) == 1:
                 self.forced += attempt == c.reserve_retries
@@ -635,6 +638,11 @@ class Simulation:
             ):
                 if self.state.within(cand.id, most, pending):
                     return self.index[cand.id]
+            # Every candidate got busier: the least busy, if at or below the pool's mean.
+            least = min(candidates, key=lambda cand: self.state.inflight(cand.id))
+            total = sum(self.state.inflight(iid) for iid in self.ids)
+            if self.state.inflight(least.id) * len(self.ids) <= total:
+                return self.index[least.id]
             self.stale_retries += 1
             view.read(now)  # a 'stale' reply carries the whole state
         raise AssertionError("unreachable: the last try is forced")
@@ -680,7 +688,7 @@ class Simulation:
         if cached:
             assert node.view is not None
             node.view.ensure(now)
-            rows = self._view_rows(node.view)
+            rows = self._view_rows(node.view, now)
             backlogs = {r.id: r.predicted_total_backlog_ms for r in rows}
             floor = min((b for b in backlogs.values() if b is not None), default=0)
             cached = guarded_cached_tokens(

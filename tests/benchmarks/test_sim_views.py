@@ -23,16 +23,16 @@ def test_a_view_sees_a_peers_reservation_only_when_it_reads_again() -> None:
     view.ensure(0)
     state.reserve("peer", "n2", "i0", 100, 10, 15, 100, 10)
     view.ensure(500)  # 500 ms old: still fit to decide on
-    assert view.rows["i0"].inflight == 0 and view.now_ms == 0
+    assert view.rows["i0"].inflight == 0
     # Its own reserve's reply: that instance's record now, peers' work included.
     state.reserve("own", "n1", "i0", 100, 10, 15, 100, 600)
-    view.patch("i0", 600)
-    assert view.rows["i0"].inflight == 2 and view.now_ms == 600
+    view.patch("i0")
+    assert view.rows["i0"].inflight == 2
     state.reserve("peer2", "n2", "i1", 100, 10, 15, 100, 700)
     view.ensure(1000)
     assert view.rows["i1"].inflight == 0
     view.ensure(1001)  # older than max_age_ms: read again
-    assert view.rows["i1"].inflight == 1 and view.now_ms == 1001
+    assert view.rows["i1"].inflight == 1
     # The reserve script's check of an unforced candidate, on the state as it is.
     assert state.within("i1", 1, 1) and not state.within("i1", 0, 1)
     assert not state.within("i0", 2, 1) and state.inflight("i0") == 2
