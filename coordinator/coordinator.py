@@ -39,6 +39,7 @@ from coordinator.errors import (
     is_write_refused,
 )
 from coordinator.fastrank import ColumnarPool
+from coordinator.guard import guard_bounds
 from coordinator.keys import ID_RE, POOL_NAME_RE, PoolKeys
 from coordinator.models import (
     HINT_NAMES,
@@ -641,7 +642,9 @@ class Coordinator:
                 len(candidates),
             ]
             for c, (max_inflight, max_pending) in zip(
-                candidates, self._guard_bounds(candidates, ranked_as), strict=True
+                candidates,
+                guard_bounds([self._cache.rows[c.id] for c in candidates], ranked_as, s.weights),
+                strict=True,
             ):
                 args += [
                     c.id,
@@ -711,44 +714,6 @@ class Coordinator:
             request.cached_tokens, backlogs.get, floor, guard_ms, self.settings.prefix_hot_guard_ms
         )
         return replace(request, cached_tokens=cached)
-
-    def _guard_bounds(
-        self, candidates: Sequence[InstanceLoad], request: RequestShape
-    ) -> list[tuple[int, int]]:
-        """Per candidate, the most live and prefill-phase reservations it may have when
-        the reserve script looks and still be taken: what this node observed (plus
-        its affinity slack), raised to the least it observed on any candidate ranked
-        after it. A candidate that got busier is still the better choice while it is
-        no busier than the alternatives this node knows."""
-        bounds: list[tuple[int, int]] = []
-        floor_inflight = floor_pending = -1  # -1: no later candidate yet
-        for c in reversed(candidates):
-            row = self._cache.rows[c.id]
-            slack = self._affinity_slack(c.spec, request)
-            inflight, pending = row.inflight + slack, row.pending_prefill + slack
-            bounds.append((max(inflight, floor_inflight), max(pending, floor_pending)))
-            floor_inflight = inflight if floor_inflight < 0 else min(floor_inflight, inflight)
-            floor_pending = pending if floor_pending < 0 else min(floor_pending, pending)
-        bounds.reverse()
-        return bounds
-
-    def _affinity_slack(self, spec: InstanceSpec, request: RequestShape) -> int:
-        """Requests a candidate may gain before reserve passes it over: what its cache
-        credit outweighs in the score. The script skips a candidate that got busier
-        since the view was read (anti-herding); without this, any other node's request
-        to the instance holding a conversation's prefix would send the next turn away.
-        """
-        cached = request.cached_on(spec.id)
-        if not cached:
-            return 0
-        w = self.settings.weights
-        per_request = w.inflight + w.pending_prefill
-        saved_ms = spec.prefill_ms(request.prompt_tokens) - spec.prefill_ms(
-            request.prompt_tokens - cached
-        )
-        if per_request <= 0 or saved_ms <= 0:
-            return 0
-        return int(saved_ms * (w.ttft_ms + w.prefill_ms) / per_request)
 
     def _rank_for_reserve(
         self, strategy: str | None, skip: frozenset[str], request: RequestShape

@@ -70,6 +70,7 @@ from bench.sim.prefix_policies import (
 )
 from bench.sim.shared_state import NodeView, SharedState
 from bench.sim.traces import TRACE_BLOCK_TOKENS, TraceRequest, service_ms
+from coordinator.guard import guard_bounds
 from coordinator.models import InstanceLoad, InstanceRow, InstanceSpec, RequestShape
 from coordinator.prefix import CachedTokens, HotPrefixes, guarded_cached_tokens, hot_instances
 from coordinator.pressure import instance_load
@@ -634,7 +635,9 @@ class Simulation:
                 best = min(candidates, key=lambda cand: self.state.inflight(cand.id))
                 return self.index[best.id]
             for cand, (most, pending) in zip(
-                candidates, self._guard_bounds(view, candidates, shape), strict=True
+                candidates,
+                guard_bounds([view.rows[cand.id] for cand in candidates], shape, c.weights),
+                strict=True,
             ):
                 if self.state.within(cand.id, most, pending):
                     return self.index[cand.id]
@@ -646,38 +649,6 @@ class Simulation:
             self.stale_retries += 1
             view.read(now)  # a 'stale' reply carries the whole state
         raise AssertionError("unreachable: the last try is forced")
-
-    def _guard_bounds(
-        self, view: NodeView, candidates: Sequence[InstanceLoad], shape: RequestShape
-    ) -> list[tuple[int, int]]:
-        """Coordinator._guard_bounds: per candidate, the live and prefill-phase
-        reservations it may have and still be taken: what the node saw (plus its
-        affinity slack), raised to the least it saw on any candidate ranked after it."""
-        bounds: list[tuple[int, int]] = []
-        floor_inflight = floor_pending = -1
-        for cand in reversed(candidates):
-            row = view.rows[cand.id]
-            slack = self._affinity_slack(cand.spec, shape)
-            inflight, pending = row.inflight + slack, row.pending_prefill + slack
-            bounds.append((max(inflight, floor_inflight), max(pending, floor_pending)))
-            floor_inflight = inflight if floor_inflight < 0 else min(floor_inflight, inflight)
-            floor_pending = pending if floor_pending < 0 else min(floor_pending, pending)
-        bounds.reverse()
-        return bounds
-
-    def _affinity_slack(self, spec: InstanceSpec, shape: RequestShape) -> int:
-        """Coordinator._affinity_slack: the requests a candidate's cache credit outweighs."""
-        cached = shape.cached_on(spec.id)
-        if not cached:
-            return 0
-        w = self.config.weights
-        per_request = w.inflight + w.pending_prefill
-        saved_ms = spec.prefill_ms(shape.prompt_tokens) - spec.prefill_ms(
-            shape.prompt_tokens - cached
-        )
-        if per_request <= 0 or saved_ms <= 0:
-            return 0
-        return int(saved_ms * (w.ttft_ms + w.prefill_ms) / per_request)
 
     def _affinity_shape(
         self, node: _Node, req: TraceRequest, now: int, expected: int, cached: dict[str, int]
