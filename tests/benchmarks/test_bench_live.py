@@ -111,10 +111,10 @@ def test_live_config_puts_node_knobs_on_engine_time() -> None:
     assert env["COORD_LIVE_REFRESH_MS"] == str(s.live_refresh_ms // 4)
     assert env["COORD_CARRY_MS"] == str(s.carry_ms // 4)
     assert env["COORD_TIMING_FLUSH_MS"] == str(s.timing_flush_ms // 4)
-    assert (sim.snapshot_max_age_ms, sim.live_refresh_ms, sim.timing_flush_ms) == (
-        s.snapshot_max_age_ms,
-        s.live_refresh_ms,
-        s.timing_flush_ms,
+    # The sim's nodes: the real nodes' (rounded) ms times the speed.
+    assert (sim.snapshot_max_age_ms, sim.live_refresh_ms, sim.timing_flush_ms) == tuple(
+        int(env[name]) * 4
+        for name in ("COORD_SNAPSHOT_MAX_AGE_MS", "COORD_LIVE_REFRESH_MS", "COORD_TIMING_FLUSH_MS")
     )
     # Slower than real time, liveness still comes every instance_ttl_ms / 4 (real).
     slow = LiveConfig(speed=0.1).sim_config()

@@ -61,6 +61,6 @@ def test_views_of_age_zero_are_the_state_at_every_decision() -> None:
 
     fresh = reads(SimConfig(instances=3, nodes=2, snapshot_max_age_ms=0, live_refresh_ms=0))
     assert fresh == [30, 30]  # one read per decision: 60 arrivals over 2 nodes
-    # The nodes' defaults: one read per second of a node's decisions (80 ms apart).
-    aged = reads(SimConfig(instances=3, nodes=2))
+    # Views kept a second: one read per second of a node's decisions (80 ms apart).
+    aged = reads(SimConfig(instances=3, nodes=2, snapshot_max_age_ms=1000, live_refresh_ms=2000))
     assert all(2 <= n <= 4 for n in aged), aged
