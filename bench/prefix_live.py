@@ -170,7 +170,9 @@ async def redis_cost(
     if record_script is not None:
         from coordinator.scripts import with_prelude
 
-        coordinator.scripts.by_name["record_prefix"] = redis.register_script(with_prelude(record_script))
+        coordinator.scripts.by_name["record_prefix"] = redis.register_script(
+            with_prelude(record_script)
+        )
     key = salt_key(pool, "")
     out = []
     try:

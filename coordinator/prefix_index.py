@@ -168,4 +168,3 @@ def recorded_entries(blocks: int, held: int, stride: int) -> list[tuple[int, int
             out.append((position, position - previous))
             previous = position
     return out
-

@@ -326,8 +326,11 @@ class Simulation:
         self.engines = [
             EngineModel(c.engine_timing(k), self._prefix_cache()) for k in range(c.instances)
         ]
+        # The node's index records every few blocks; the baselines see every block (as
+        # SGLang's radix tree and Dynamo's KV events do).
+        stride = c.prefix_record_stride if self.strategy == "least_load_affinity" else 1
         self.prefix_index = SharedPrefixIndex(
-            c.prefix_cache_tokens // c.block_tokens, stride=c.prefix_record_stride
+            c.prefix_cache_tokens // c.block_tokens, stride=stride
         )
         self.ring = HashRing(self.ids)
         # What a Dynamo-style router tracks: prompt tokens still to prefill (uncached,

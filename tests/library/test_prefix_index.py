@@ -7,7 +7,7 @@ import pytest
 
 from coordinator import Coordinator, ScriptArgumentError
 from coordinator.prefix import CachedTokens
-from coordinator.prefix_index import SAMPLE_EVERY
+from coordinator.prefix_index import SAMPLE_EVERY, recorded_entries
 from tests.conftest import MakeCoordinator
 from tests.helpers import spec
 
@@ -114,9 +114,7 @@ async def test_epoch_bump_voids_at_once_and_storage_is_reclaimed(
     assert len(members) == 1 and members[0].startswith("i0#0000000002|")
     assert len(await owners(c)) == 1
     counts = await c.redis.hgetall(c.keys.prefix_owners())
-    assert {k: v for k, v in counts.items() if "#" in k and k != "#calls"} == {
-        "i0#0000000002": "1"
-    }
+    assert {k: v for k, v in counts.items() if "#" in k and k != "#calls"} == {"i0#0000000002": "1"}
 
 
 async def test_an_unregistered_instance_is_reclaimed_by_later_records(
@@ -328,3 +326,60 @@ async def test_a_prompt_in_constant_use_is_not_evicted_as_the_oldest(
     await c.prefix.record("i0", hashes(c, "z", "w"))  # two over capacity: two evicted
     assert await c.prefix.cached_tokens(hot) == {"i0": 2 * TOKENS}
     assert await c.prefix.cached_tokens(hashes(c, "x", "y")) == {"i0": TOKENS}
+
+
+def test_recorded_entries_are_every_stride_th_block_and_the_last() -> None:
+    assert recorded_entries(20, 0, 8) == [(8, 8), (16, 8), (20, 4)]
+    assert recorded_entries(16, 0, 8) == [(8, 8), (16, 8)]
+    # A follow-up: the deepest held block refreshed (weight 0), then the new ones.
+    assert recorded_entries(32, 30, 8) == [(30, 0), (32, 2)]
+    assert recorded_entries(5, 5, 8) == [(5, 0)]  # a whole hit: only the refresh
+    assert recorded_entries(3, 0, 1) == [(1, 1), (2, 1), (3, 1)]
+    assert recorded_entries(3, 9, 1) == [(3, 0)]  # held is capped at the prompt
+
+
+async def test_a_strided_index_credits_the_deepest_entry_and_counts_blocks(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    c = await setup(make_coordinator, stride=8)
+    parts = [chr(ord("a") + k) for k in range(20)]
+    await c.prefix.record("i0", hashes(c, *parts))
+    members = await lru_members(c)
+    # Entries at blocks 8, 16 and 20, weighing the blocks each stands for.
+    assert sorted(m.split("|")[2] for m in members) == ["4", "8", "8"]
+    assert await c.prefix.cached_tokens(hashes(c, *parts)) == {"i0": 20 * TOKENS}
+    # A prompt that leaves this one after 13 blocks: credited up to the entry at 8.
+    assert await c.prefix.cached_tokens(hashes(c, *parts[:13], "z")) == {"i0": 8 * TOKENS}
+    assert await c.prefix.index_tokens([("i0", 1)]) == {"i0": 20 * TOKENS}
+    # The next turn: its previous prompt credited in full, 3 blocks added.
+    turn = hashes(c, *parts, "x", "y", "w")
+    held = (await c.prefix.cached_tokens(turn))["i0"]
+    assert held == 20 * TOKENS
+    await c.prefix.record("i0", turn, held)
+    assert await c.prefix.cached_tokens(turn) == {"i0": 23 * TOKENS}
+    # The refreshed entry kept its weight: the count is the prompt's blocks.
+    assert await c.prefix.index_tokens([("i0", 1)]) == {"i0": 23 * TOKENS}
+    assert len(await lru_members(c)) == 4
+
+
+async def test_a_strided_index_evicts_the_oldest_tails_within_its_capacity(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Capacity counts blocks (the entries' weights), not entries; eviction takes
+    the oldest entry first, which is a prompt's tail."""
+    c = await setup(make_coordinator, stride=4, prefix_cache_tokens=12 * TOKENS)
+    first = hashes(c, *"abcdefgh")
+    second = hashes(c, *"ijklmnop")
+    await c.prefix.record("i0", first)
+    await c.prefix.record("i0", second)
+    # 16 blocks recorded, 12 kept: the first prompt lost its tail entry (4 blocks).
+    assert await c.prefix.index_tokens([("i0", 1)]) == {"i0": 12 * TOKENS}
+    assert await c.prefix.cached_tokens(first) == {"i0": 4 * TOKENS}
+    assert await c.prefix.cached_tokens(second) == {"i0": 8 * TOKENS}
+    for k in range(6):  # many more prompts: the count never passes the capacity
+        await c.prefix.record("i0", hashes(c, *f"q{k}rstuvw"))
+        count = (await c.prefix.index_tokens([("i0", 1)]))["i0"]
+        assert count <= 12 * TOKENS
+        weights = sum(int(m.split("|")[2]) for m in await lru_members(c))
+        assert weights * TOKENS == count
+    assert await c.prefix.cached_tokens(first) == {}
