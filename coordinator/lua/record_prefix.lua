@@ -53,7 +53,7 @@ for i = 1, n do
   if weights[i] == nil then return fail('bad_arg', 'weight ' .. i) end
 end
 if not string.find(table.concat(hashes), '^[0-9a-f]*$') then  -- one match for all
-  return fail('bad_arg', 'block hashes must be [0-9a-f]+')
+  return fail('bad_arg', 'block hashes are [0-9a-f]+')
 end
 local epoch = redis.call('HGET', K_EPOCH, id)
 if not epoch then return {'gone'} end
@@ -62,14 +62,13 @@ epoch = tonumber(epoch)
 local unpack = table.unpack or unpack
 local stem = id .. '#' .. string.format('%010d', epoch)
 
--- An owners entry "<id>|<epoch>|<stamp>[|<weight>]" as {id, epoch, stamp, weight}.
+-- An owners entry "<id>|<epoch>|<stamp>[|<weight>]" as {id, epoch, stamp, weight,
+-- written before weights}. Entries from before weights were never counted: weight 0.
 local function entry_of(text)
   local o, e, stamp, w = string.match(text, '^(.*)|(%d+)|(%d+)|(%d+)$')
-  if not o then  -- written before weights: one block
-    o, e, stamp = string.match(text, '^(.*)|(%d+)|(%d+)$')
-    w = 1
-  end
-  return {o, tonumber(e), tonumber(stamp), tonumber(w)}
+  if o then return {o, tonumber(e), tonumber(stamp), tonumber(w), false} end
+  o, e, stamp = string.match(text, '^(.*)|(%d+)|(%d+)$')
+  return {o, tonumber(e), tonumber(stamp), 0, true}
 end
 
 local function stem_of(owner, e)
@@ -78,15 +77,16 @@ end
 
 -- The lru member of an owners entry of `hash`.
 local function member_of(entry, hash)
+  local weight = entry[5] and '' or entry[4] .. '|'
   return stem_of(entry[1], entry[2]) .. '|' .. string.format('%017d', entry[3]) .. '|'
-    .. entry[4] .. '|' .. hash
+    .. weight .. hash
 end
 
 -- An lru member as stem, owner, epoch, weight, hash.
 local function parse_member(m)
   local owner, e, rest = string.match(m, '^(.*)#(%d+)|%d+|(.*)$')
   local w, hash = string.match(rest, '^(%d+)|(%x+)$')
-  if not w then w, hash = 1, rest end  -- written before weights
+  if not w then w, hash = 0, rest end  -- written before weights: never counted
   return owner .. '#' .. e, owner, tonumber(e), tonumber(w), hash
 end
 
@@ -156,6 +156,9 @@ end
 local recorded = 0
 if capacity > 0 and n > 0 then
   load({'#calls', stem, unpack(hashes)})
+  if values['#calls'] == '' then  -- the count the index kept before weights, if any
+    values['#calls'] = redis.call('HGET', K_META, 'prefix_calls') or ''
+  end
   local call = (tonumber(values['#calls']) or 0) + 1
   values['#calls'] = call
   -- stamp = call * 1000 + 999 - (i - 1): with at most 512 entries its last three

@@ -383,3 +383,20 @@ async def test_a_strided_index_evicts_the_oldest_tails_within_its_capacity(
         weights = sum(int(m.split("|")[2]) for m in await lru_members(c))
         assert weights * TOKENS == count
     assert await c.prefix.cached_tokens(first) == {}
+
+
+async def test_entries_written_before_weights_are_replaced_not_leaked(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """An index left by the previous script: "<id>|<epoch>|<stamp>" owners, lru
+    members without a weight, the call count in meta. Recording over it replaces
+    those entries and stamps newer than theirs."""
+    c = await setup(make_coordinator)
+    (h,) = hashes(c, "a")
+    await c.redis.hset(c.keys.prefix_owners(), h, "i0|1|7999")
+    await c.redis.zadd(c.keys.prefix_lru(), {f"i0#0000000001|00000000000007999|{h}": 0})
+    await c.redis.hset(c.keys.column("meta"), "prefix_calls", 7)
+    await c.prefix.record("i0", [h])
+    assert await lru_members(c) == [f"i0#0000000001|00000000000008999|1|{h}"]
+    assert (await owners(c))[h] == "i0|1|8999|1"
+    assert await c.prefix.index_tokens([("i0", 1)]) == {"i0": TOKENS}
