@@ -74,8 +74,8 @@ class SharedPrefixIndex:
             owners.append(instance)
             lru[block] = weight or 1
             self._held[instance] += weight or 1
-        if self._held[instance] - self.capacity_blocks <= min(16, self.capacity_blocks // 8):
-            return
+        # The script lets an instance run up to 16 blocks over before evicting (its
+        # cost); below 8 blocks of capacity it evicts at once, as here always.
         while self._held[instance] > self.capacity_blocks and lru:
             block = next(iter(lru))
             self._drop(instance, block)
