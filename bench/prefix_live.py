@@ -124,6 +124,8 @@ class CostResult:
     lookup_us: float  # one HMGET
     record_us: float  # one record_prefix (EVALSHA)
     records_per_request: float  # a request whose blocks were all held records nothing
+    cpu_us: float = float("nan")  # server main-thread CPU per request (lookup and record,
+    # network included): what a preempted server's wall-clock usec_per_call leaves out
 
     @property
     def total_us(self) -> float:
@@ -135,6 +137,12 @@ def _held_text(instance: int, k: int, blocks: int, chars: int) -> str:
     """Text of conversation k of an instance, `blocks` blocks long (a longer one
     extends a shorter one, as a follow-up turn does)."""
     return f"{instance}:{k}:" + "x" * (chars * blocks)
+
+
+async def _cpu_s(redis: Redis) -> float:
+    """CPU seconds of the server's main thread so far."""
+    cpu = await redis.info("cpu")
+    return float(cpu["used_cpu_user_main_thread"]) + float(cpu["used_cpu_sys_main_thread"])
 
 
 async def redis_cost(
@@ -202,7 +210,7 @@ async def redis_cost(
                     size = blocks + added
                     text = _held_text(i, rng.randrange(held_each), size, chars)
                 batch.append((f"i{i}", block_hashes(text, key, chars, size)))
-            lookups, records, calls = [], [], 0
+            lookups, records, cpus, calls = [], [], [], 0
             for start in range(0, requests, chunk):
                 part = batch[start : start + chunk]
                 await redis.config_resetstat()
@@ -211,9 +219,11 @@ async def redis_cost(
                 stats = await redis.info("commandstats")
                 lookups.append(float(stats["cmdstat_hmget"]["usec_per_call"]))
                 await redis.config_resetstat()
+                cpu = await _cpu_s(redis)
                 for iid, hashes in part:
                     found = await prefix.cached_tokens(hashes)
                     await prefix.record(iid, hashes, found.get(iid, 0))
+                cpus.append((await _cpu_s(redis) - cpu) * 1e6 / len(part))
                 stats = await redis.info("commandstats")
                 if "cmdstat_evalsha" in stats:
                     records.append(float(stats["cmdstat_evalsha"]["usec_per_call"]))
@@ -225,6 +235,7 @@ async def redis_cost(
                     statistics.median(lookups),
                     statistics.median(records) if records else 0.0,
                     calls / requests,
+                    statistics.median(cpus),
                 )
             )
     finally:
