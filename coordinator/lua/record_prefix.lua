@@ -65,9 +65,9 @@ local stem = id .. '#' .. string.format('%010d', epoch)
 -- An owners entry "<id>|<epoch>|<stamp>[|<weight>]" as {id, epoch, stamp, weight,
 -- written before weights}. Entries from before weights were never counted: weight 0.
 local function entry_of(text)
-  local o, e, stamp, w = string.match(text, '^(.*)|(%d+)|(%d+)|(%d+)$')
+  local o, e, stamp, w = string.match(text, '^([^|]*)|(%d+)|(%d+)|(%d+)$')
   if o then return {o, tonumber(e), tonumber(stamp), tonumber(w), false} end
-  o, e, stamp = string.match(text, '^(.*)|(%d+)|(%d+)$')
+  o, e, stamp = string.match(text, '^([^|]*)|(%d+)|(%d+)$')
   return {o, tonumber(e), tonumber(stamp), 0, true}
 end
 
@@ -82,9 +82,9 @@ local function member_of(entry, hash)
     .. weight .. hash
 end
 
--- An lru member as stem, owner, epoch, weight, hash.
+-- An lru member as stem, owner, epoch, weight, hash (ids have no '#' or '|').
 local function parse_member(m)
-  local owner, e, rest = string.match(m, '^(.*)#(%d+)|%d+|(.*)$')
+  local owner, e, rest = string.match(m, '^([^#]*)#(%d+)|%d+|(.*)$')
   local w, hash = string.match(rest, '^(%d+)|(%x+)$')
   if not w then w, hash = 0, rest end  -- written before weights: never counted
   return owner .. '#' .. e, owner, tonumber(e), tonumber(w), hash
@@ -145,7 +145,7 @@ if ARGV[4] == '1' then
   reclaim('[' .. id .. '#', '(' .. stem)
   local sample = redis.call('ZRANDMEMBER', K_LRU, 1)[1]
   if sample and reclaimed < RECLAIM_BUDGET then
-    local owner, e = string.match(sample, '^(.*)#(%d+)|')
+    local owner, e = string.match(sample, '^([^#]*)#(%d+)|')
     local current = redis.call('HGET', K_EPOCH, owner)
     if not current or tonumber(current) ~= tonumber(e) then
       reclaim('[' .. owner .. '#' .. e .. '|', '(' .. owner .. '#' .. e .. '}')
@@ -194,7 +194,7 @@ if capacity > 0 and n > 0 then
     if weight == 0 then weight = 1 end
     add_count(stem, weight)
     values[hash] = kept .. head .. call_text .. last .. '|' .. weight
-    adds[#adds + 1] = 0
+    adds[#adds + 1] = '0'  -- a string: Redis would format a number
     adds[#adds + 1] = stem .. '|' .. call_pad .. last .. '|' .. weight .. '|' .. hash
   end
   if #stale > 0 then redis.call('ZREM', K_LRU, unpack(stale)) end
