@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import statistics
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +124,8 @@ class CostResult:
     lookup_us: float  # one HMGET
     record_us: float  # one record_prefix (EVALSHA)
     records_per_request: float  # a request whose blocks were all held records nothing
+    cpu_us: float = float("nan")  # server main-thread CPU per request (lookup and record,
+    # network included): what a preempted server's wall-clock usec_per_call leaves out
 
     @property
     def total_us(self) -> float:
@@ -136,6 +139,12 @@ def _held_text(instance: int, k: int, blocks: int, chars: int) -> str:
     return f"{instance}:{k}:" + "x" * (chars * blocks)
 
 
+async def _cpu_s(redis: Redis) -> float:
+    """CPU seconds of the server's main thread so far."""
+    cpu = await redis.info("cpu")
+    return float(cpu["used_cpu_user_main_thread"]) + float(cpu["used_cpu_sys_main_thread"])
+
+
 async def redis_cost(
     redis_url: str,
     instances: int,
@@ -145,17 +154,33 @@ async def redis_cost(
     requests: int = 1000,
     capacity_tokens: int = 100_000,
     seed: int = 0,
+    record_script: str | None = None,
+    chunk: int = 100,
 ) -> list[CostResult]:
     """Fill every instance's index to capacity with `blocks`-block conversations, then
     time what a node does per request: the lookup, and the record on the instance it
     chose, for follow-up turns (`added` new blocks on a held conversation, sent to
-    its holder) and for new prompts (`blocks` blocks nobody holds)."""
+    its holder) and for new prompts (`blocks` blocks nobody holds).
+
+    `record_script` is another text of lua/record_prefix.lua to run instead (the
+    prelude it uses is prepended), to compare two versions side by side. The lookup
+    is timed in a pass of its own over the same requests: the script's own HMGETs
+    count in the same `INFO commandstats` row. Each figure is the median over chunks
+    of `chunk` requests, so that a moment the server is descheduled on a busy machine
+    moves one chunk, not the result.
+    """
     pool = f"cost-{instances}-{random.Random(seed).getrandbits(32):08x}"
     settings = Settings(prefix_cache_tokens=capacity_tokens)
     chars = settings.prefix_block_chars
     redis = Redis.from_url(redis_url)
     coordinator = Coordinator(redis, pool=pool, node_id="cost", settings=settings)
     prefix = coordinator.prefix
+    if record_script is not None:
+        from coordinator.scripts import with_prelude
+
+        coordinator.scripts.by_name["record_prefix"] = redis.register_script(
+            with_prelude(record_script)
+        )
     key = salt_key(pool, "")
     out = []
     try:
@@ -175,7 +200,7 @@ async def redis_cost(
             f"follow-up turn: +{added} blocks on a held {blocks}",
             f"new {blocks}-block prompt",
         ):
-            await redis.config_resetstat()
+            batch = []
             for _ in range(requests):
                 i = rng.randrange(instances)
                 if case.startswith("new"):
@@ -184,18 +209,33 @@ async def redis_cost(
                 else:
                     size = blocks + added
                     text = _held_text(i, rng.randrange(held_each), size, chars)
-                hashes = block_hashes(text, key, chars, size)
-                found = await prefix.cached_tokens(hashes)
-                await prefix.record(f"i{i}", hashes, found.get(f"i{i}", 0))
-            stats = await redis.info("commandstats")
-            evalsha = stats.get("cmdstat_evalsha", {"usec_per_call": 0.0, "calls": 0})
+                batch.append((f"i{i}", block_hashes(text, key, chars, size)))
+            lookups, records, cpus, calls = [], [], [], 0
+            for start in range(0, requests, chunk):
+                part = batch[start : start + chunk]
+                await redis.config_resetstat()
+                for _, hashes in part:
+                    await prefix.cached_tokens(hashes)
+                stats = await redis.info("commandstats")
+                lookups.append(float(stats["cmdstat_hmget"]["usec_per_call"]))
+                await redis.config_resetstat()
+                cpu = await _cpu_s(redis)
+                for iid, hashes in part:
+                    found = await prefix.cached_tokens(hashes)
+                    await prefix.record(iid, hashes, found.get(iid, 0))
+                cpus.append((await _cpu_s(redis) - cpu) * 1e6 / len(part))
+                stats = await redis.info("commandstats")
+                if "cmdstat_evalsha" in stats:
+                    records.append(float(stats["cmdstat_evalsha"]["usec_per_call"]))
+                    calls += int(stats["cmdstat_evalsha"]["calls"])
             out.append(
                 CostResult(
                     instances,
                     case,
-                    float(stats["cmdstat_hmget"]["usec_per_call"]),
-                    float(evalsha["usec_per_call"]),
-                    int(evalsha["calls"]) / requests,
+                    statistics.median(lookups),
+                    statistics.median(records) if records else 0.0,
+                    calls / requests,
+                    statistics.median(cpus),
                 )
             )
     finally:

@@ -39,7 +39,7 @@ from pathlib import Path
 from bench.docs import add_write_docs, write_section
 from bench.live import LiveConfig, LiveRun, run_live
 from bench.prefix_live import CostResult, TurnsResult, follow_up_turns, redis_cost
-from bench.sim.simulator import SimConfig, StrategyResult, simulate
+from bench.sim.simulator import NODE_STRIDE, SimConfig, StrategyResult, simulate
 from bench.sim.traces import TraceRequest, load_trace, scale_to_utilization
 from coordinator.settings import Settings
 from local_fleet.stats import percentile
@@ -417,7 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary += checks
     parts.append(
         "### Redis cost of the index\n\nRedis CPU per request (`INFO commandstats` "
-        "usec_per_call on a private server) for the decision's `HMGET` and the "
+        "usec_per_call on a private server, the median over chunks of 100 requests) "
+        "for the decision's `HMGET` (timed in a pass of its own) and the "
         "`record_prefix` call after it, with every instance's index full at "
         f"{COST_CAPACITY:,} tokens of 30-block conversations (Mooncake's mean prompt). This adds to the "
         "decision's flat cost (docs/scaling.md): the lookup is one command of fixed "
@@ -450,7 +451,9 @@ read again once {s.snapshot_max_age_ms} ms old, as the nodes do), utilization {a
 hot-spot guard {s.prefix_guard_ms} ms ({s.prefix_hot_guard_ms} ms for a prefix the node
 routed within {s.prefix_hot_ms} ms), at
 most {s.prefix_max_blocks} blocks looked up per request, {s.prefix_max_owners}
-owners per block. *Hit rate*: cached / queried prompt tokens, from the engines'
+owners per block, an index entry every {s.prefix_record_stride} blocks and at the
+prompt's last (every {NODE_STRIDE} trace blocks in the sim, the same tokens; the
+baselines see every block). *Hit rate*: cached / queried prompt tokens, from the engines'
 caches (the counters the mock engine exports as `vllm:prefix_cache_hits` /
 `vllm:prefix_cache_queries`). Baselines (bench/sim/prefix_policies.py):
 *consistent_hash* routes on the first block alone (pure affinity);

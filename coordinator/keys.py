@@ -76,11 +76,12 @@ class PoolKeys:
         return f"{self.stem}:outliers"
 
     def prefix_owners(self) -> str:
-        """Hash block hash -> "<id>|<epoch>|<stamp>" owners (see lua/record_prefix.lua)."""
+        """Hash block hash -> "<id>|<epoch>|<stamp>|<weight>" owners, and the counts
+        "<id>#<epoch>" -> blocks held and "#calls" (see lua/record_prefix.lua)."""
         return f"{self.stem}:prefix_owners"
 
     def prefix_lru(self) -> str:
-        """Lex zset "<id>#<epoch>|<stamp>|<hash>": each instance's prefix blocks, LRU order."""
+        """Lex zset "<id>#<epoch>|<stamp>|<weight>|<hash>": each instance's entries, LRU."""
         return f"{self.stem}:prefix_lru"
 
     def timing(self) -> str:

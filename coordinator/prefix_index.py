@@ -3,7 +3,9 @@
 At decision time a node asks how many leading blocks of the prompt each instance
 holds: one HMGET of at most `prefix_max_blocks` fields, whatever the pool size, and
 the epochs come from the node's own snapshot cache. After the choice, it records the
-prompt's blocks against the chosen instance: one bounded script call. Both degrade
+prompt's blocks against the chosen instance: one bounded script call, with an entry
+every `prefix_record_stride` blocks and at the prompt's last block only (see
+`recorded_entries`), which keeps its Redis work to a few entries per request. Both degrade
 to "nothing cached" / "nothing recorded" while Redis is unreachable: affinity is an
 optimization, never a reason to fail a request.
 """
@@ -99,19 +101,17 @@ class PrefixIndex:
         return CachedTokens(tokens, hot)
 
     async def index_tokens(self, instances: Sequence[tuple[str, int]]) -> dict[str, int]:
-        """Tokens the index holds per (instance id, epoch): one pipelined count each.
+        """Tokens the index holds per (instance id, epoch): one HMGET of their counts.
 
         For debug views and `coordinator inspect`, never on the request path.
         """
         if not instances:
             return {}
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for iid, epoch in instances:
-                stem = f"{iid}#{epoch:010d}"
-                pipe.zlexcount(self._lru, f"[{stem}|", f"({stem}}}")
-            counts = await pipe.execute()
+        fields = [f"{iid}#{epoch:010d}" for iid, epoch in instances]
+        counts = await self._redis.hmget(self._owners, fields)
         return {
-            iid: int(n) * self.block_tokens for (iid, _), n in zip(instances, counts, strict=True)
+            iid: int(n or 0) * self.block_tokens
+            for (iid, _), n in zip(instances, counts, strict=True)
         }
 
     async def record(self, instance_id: str, hashes: Sequence[str], held_tokens: int = 0) -> None:
@@ -121,13 +121,14 @@ class PrefixIndex:
         deepest block it held (refreshed) and the new ones after it are sent, so a
         conversation's next turn costs the blocks it adds, not its whole history. A
         whole hit still refreshes its deepest block: the engine's cache keeps a prompt
-        in constant use, so the index must not evict it as the oldest.
+        in constant use, so the index must not evict it as the oldest. Of the new
+        blocks, only every `prefix_record_stride`-th and the last get an entry.
         """
         if not hashes:
             return
         self.hot.note(hashes, time.monotonic() * 1000)
-        held = min(held_tokens // self.block_tokens, len(hashes))
-        hashes = hashes[max(0, held - 1) :]
+        held = held_tokens // self.block_tokens
+        entries = recorded_entries(len(hashes), held, self._settings.prefix_record_stride)
         capacity = self._capacity_tokens(instance_id)
         if capacity is None:
             capacity = self._settings.prefix_cache_tokens
@@ -139,7 +140,31 @@ class PrefixIndex:
             self._settings.prefix_max_owners,
             sample,
         ]
+        for position, weight in entries:
+            args += [hashes[position - 1], weight]
         try:
-            await self._call("record_prefix", [*args, *hashes], (self._owners, self._lru))
+            await self._call("record_prefix", args, (self._owners, self._lru))
         except CoordinationUnavailableError:
             pass  # degraded: nothing to record into; the index is approximate anyway
+
+
+def recorded_entries(blocks: int, held: int, stride: int) -> list[tuple[int, int]]:
+    """The (position, weight) entries a record of a `blocks`-block prompt writes, whose
+    first `held` blocks the instance holds (positions from 1).
+
+    The deepest held block is refreshed (weight 0: it keeps its own); of the blocks
+    after it, every `stride`-th position and the last get an entry, weighted with the
+    blocks since the previous entry. A block's hash covers its whole prefix, so an
+    entry stands for all the blocks before it: a lookup credits the deepest entry an
+    instance holds, at most `stride - 1` blocks short of what it holds (none short of
+    a whole recorded prompt, as a conversation's next turn asks), and the capacity
+    counts the weights, i.e. blocks.
+    """
+    held = min(max(held, 0), blocks)
+    out = [(held, 0)] if held else []
+    previous = held
+    for position in range(held + 1, blocks + 1):
+        if position % stride == 0 or position == blocks:
+            out.append((position, position - previous))
+            previous = position
+    return out

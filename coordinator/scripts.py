@@ -102,12 +102,16 @@ def prune_prelude(prelude: str, script: str) -> str:
     return "".join(chunk.text for i, chunk in enumerate(chunks) if i in keep)
 
 
+def with_prelude(body: str) -> str:
+    """The full text sent to Redis for a script's text: the prelude it needs, then it."""
+    lua = resources.files("coordinator") / "lua"
+    return prune_prelude((lua / "_lib.lua").read_text(), body) + "\n" + body
+
+
 @cache
 def script_source(name: str) -> str:
-    """The full text sent to Redis: the prelude it needs, then the script itself."""
-    lua = resources.files("coordinator") / "lua"
-    body = (lua / f"{name}.lua").read_text()
-    return prune_prelude((lua / "_lib.lua").read_text(), body) + "\n" + body
+    """The full text sent to Redis for one script of the package."""
+    return with_prelude((resources.files("coordinator") / "lua" / f"{name}.lua").read_text())
 
 
 @dataclass(frozen=True, slots=True)

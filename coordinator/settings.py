@@ -122,6 +122,7 @@ class Settings:
     prefix_max_blocks: int = 128  # blocks hashed, looked up and recorded per request
     prefix_cache_tokens: int = 400_000  # index capacity of an instance whose spec has none
     prefix_max_owners: int = 8  # instances remembered per block (most recent)
+    prefix_record_stride: int = 8  # index every Nth block of a prompt and its last; 1 = all
     prefix_guard_ms: int = 10_000  # cache credit fades over this much extra backlog; 0 = off
     prefix_hot_guard_ms: int = 3_000  # the same for a hot prefix (0: prefix_guard_ms)
     prefix_hot_ms: int = 3_000  # a prefix this node routed this recently is hot; 0 = none
@@ -175,6 +176,7 @@ class Settings:
             ("prefix_max_blocks", 1, 512),
             ("prefix_cache_tokens", 0, 10**9),
             ("prefix_max_owners", 1, 64),
+            ("prefix_record_stride", 1, 512),
             ("prefix_guard_ms", 0, 86_400_000),
             ("prefix_hot_guard_ms", 0, 86_400_000),
             ("prefix_hot_ms", 0, 86_400_000),

@@ -3,8 +3,10 @@
 `SharedPrefixIndex` is the node's index (lua/record_prefix.lua, coordinator/prefix.py)
 in memory: per instance an LRU of block ids bounded by the instance's capacity (a
 prompt's blocks queued tail first), each block remembering its `max_owners` most
-recent instances; a node records the deepest block the instance held and the ones
-after it, and a lookup credits each instance with the deepest block it holds.
+recent instances; a node refreshes the deepest block the instance held and adds an
+entry every `stride` blocks after it and at the last one, each weighing the blocks
+since the previous entry (the capacity counts weights), and a lookup credits each
+instance with the deepest block it holds.
 tests/benchmarks/test_sim_prefix.py checks it against the real index on a server.
 
 Baselines (each one node's choice from the same shared information):
@@ -30,38 +32,53 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from coordinator.prefix_index import recorded_entries
+
 
 class SharedPrefixIndex:
     """The fleet's approximate prefix index (lua/record_prefix.lua), in memory."""
 
-    def __init__(self, capacity_blocks: int, max_owners: int = 8) -> None:
+    def __init__(self, capacity_blocks: int, max_owners: int = 8, stride: int = 1) -> None:
         self.capacity_blocks = capacity_blocks
         self.max_owners = max_owners
-        self._lru: dict[str, OrderedDict[Hashable, None]] = {}
+        self.stride = stride
+        self._lru: dict[str, OrderedDict[Hashable, int]] = {}  # block -> weight
+        self._held: dict[str, int] = {}  # the weights of an instance's entries
         self._owners: dict[Hashable, list[str]] = {}  # most recent last
 
     def size(self, instance: str) -> int:
-        """Blocks the index holds for an instance."""
-        return len(self._lru.get(instance, ()))
+        """Blocks the index holds for an instance (the weights of its entries)."""
+        return self._held.get(instance, 0)
+
+    def _drop(self, instance: str, block: Hashable) -> None:
+        self._held[instance] -= self._lru[instance].pop(block)
 
     def record(self, instance: str, blocks: Sequence[Hashable], held: int = 0) -> None:
         """The chosen instance now holds these blocks (LRU, bounded); `held` leading
-        blocks of them it held already (only the deepest of those is refreshed)."""
+        blocks of them it held already (only the deepest of those is refreshed), and
+        of the others only every `stride`-th and the last get an entry."""
         if self.capacity_blocks <= 0 or not blocks:
             return
-        blocks = blocks[max(0, min(held, len(blocks)) - 1) :]
         lru = self._lru.setdefault(instance, OrderedDict())
-        for block in reversed(blocks):
+        self._held.setdefault(instance, 0)
+        entries = recorded_entries(len(blocks), held, self.stride)
+        for position, weight in reversed(entries):  # the deepest is the oldest
+            block = blocks[position - 1]
             owners = self._owners.setdefault(block, [])
             if instance in owners:
                 owners.remove(instance)
+                weight = weight or lru[block]
+                self._drop(instance, block)
+            while len(owners) >= self.max_owners:
+                self._drop(owners.pop(0), block)
             owners.append(instance)
-            while len(owners) > self.max_owners:
-                self._lru[owners.pop(0)].pop(block, None)
-            lru[block] = None
-            lru.move_to_end(block)
-        while len(lru) > self.capacity_blocks:
-            block, _ = lru.popitem(last=False)
+            lru[block] = weight or 1
+            self._held[instance] += weight or 1
+        # The script lets an instance run up to 16 blocks over before evicting (its
+        # cost); below 8 blocks of capacity it evicts at once, as here always.
+        while self._held[instance] > self.capacity_blocks and lru:
+            block = next(iter(lru))
+            self._drop(instance, block)
             owners = self._owners[block]
             owners.remove(instance)
             if not owners:

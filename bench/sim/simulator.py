@@ -72,7 +72,13 @@ from bench.sim.shared_state import NodeView, SharedState
 from bench.sim.traces import TRACE_BLOCK_TOKENS, TraceRequest, service_ms
 from coordinator.guard import guard_bounds
 from coordinator.models import InstanceLoad, InstanceRow, InstanceSpec, RequestShape
-from coordinator.prefix import CachedTokens, HotPrefixes, guarded_cached_tokens, hot_instances
+from coordinator.prefix import (
+    CachedTokens,
+    HotPrefixes,
+    block_tokens,
+    guarded_cached_tokens,
+    hot_instances,
+)
 from coordinator.pressure import instance_load
 from coordinator.settings import Settings, Weights
 from coordinator.strategies import Ranking, RoundRobin, least_load, power_of_two, round_robin
@@ -85,6 +91,14 @@ from coordinator.timing import (
 )
 from local_fleet.engine_model import EngineModel, EngineTiming, PrefixCache
 from local_fleet.stats import percentile
+
+# The node's record stride in trace blocks: the same tokens per index entry.
+NODE_STRIDE = max(
+    1,
+    Settings().prefix_record_stride
+    * block_tokens(Settings().prefix_block_chars)
+    // TRACE_BLOCK_TOKENS,
+)
 
 STRATEGIES = (
     "random",
@@ -132,6 +146,7 @@ class SimConfig:
     prefix_cache_tokens: int = 0  # each engine's prefix cache and index capacity; 0 = none
     block_tokens: int = TRACE_BLOCK_TOKENS  # tokens per trace block (hash_ids)
     prefix_max_blocks: int = Settings().prefix_max_blocks  # blocks a node looks up
+    prefix_record_stride: int = NODE_STRIDE  # index entries every this many trace blocks
     sglang: SglangThresholds = field(default_factory=SglangThresholds)
     dynamo_overlap_weight: float = 1.0  # Dynamo's kv-overlap-score-weight
     prefix_guard_ms: int = Settings().prefix_guard_ms  # the hot-spot guard (coordinator/prefix.py)
@@ -164,7 +179,12 @@ class SimConfig:
             raise ValueError(f"expected_output must be one of {EXPECTED_OUTPUT_MODES}")
         if self.initial_expected_output < 0 or self.max_slots < -1:
             raise ValueError("initial_expected_output must be >= 0 and max_slots >= -1")
-        if self.prefix_cache_tokens < 0 or self.block_tokens < 1 or self.prefix_max_blocks < 1:
+        if (
+            self.prefix_cache_tokens < 0
+            or self.block_tokens < 1
+            or self.prefix_max_blocks < 1
+            or self.prefix_record_stride < 1
+        ):
             raise ValueError("need prefix_cache_tokens >= 0, block_tokens and max blocks >= 1")
         if self.snapshot_max_age_ms < 0 or self.live_refresh_ms < 0:
             raise ValueError("snapshot_max_age_ms and live_refresh_ms must be >= 0")
@@ -334,7 +354,12 @@ class Simulation:
         self.engines = [
             EngineModel(c.engine_timing(k), self._prefix_cache()) for k in range(c.instances)
         ]
-        self.prefix_index = SharedPrefixIndex(c.prefix_cache_tokens // c.block_tokens)
+        # The node's index records every few blocks; the baselines see every block (as
+        # SGLang's radix tree and Dynamo's KV events do).
+        stride = c.prefix_record_stride if self.strategy == "least_load_affinity" else 1
+        self.prefix_index = SharedPrefixIndex(
+            c.prefix_cache_tokens // c.block_tokens, stride=stride
+        )
         self.ring = HashRing(self.ids)
         # What a Dynamo-style router tracks: prompt tokens still to prefill (uncached,
         # as predicted) and tokens of live requests (prompt + expected output).

@@ -1,26 +1,39 @@
 -- record_prefix: record a routed request's prefix blocks against the chosen instance.
 -- The prefix index approximates each engine's prefix KV cache (coordinator/prefix.py):
--- - owners: block hash -> up to `max_owners` space-separated "<id>|<epoch>|<stamp>",
---   most recent last; nodes HMGET it at decision time (coordinator/prefix_index.py);
--- - lru: lex zset "<id>#<epoch:010d>|<stamp:017d>|<hash>", so one instance's current
---   epoch is one lex range in LRU order; its size is bounded by the capacity.
--- stamp = call * 1000 + 999 - position, `call` counting this pool's record calls
--- (meta `prefix_calls`): later calls are newer, even within one millisecond, and
--- within one call the deeper blocks are older, so eviction takes a prefix's tail
--- before its head (as an engine's cache does). Entries of an older epoch are void at once (lookups compare
--- epochs) and their storage is reclaimed here in bounded steps.
+-- - owners: block hash -> up to `max_owners` space-separated
+--   "<id>|<epoch>|<stamp>|<weight>", most recent last; nodes HMGET it at decision time
+--   (coordinator/prefix_index.py). Two kinds of fields beside the block hashes (a '#'
+--   keeps them apart from hex), so that one HMGET reads and one HSET writes all a call
+--   needs: "<id>#<epoch:010d>" -> the blocks the instance's entries stand for (the sum
+--   of their weights, which its capacity bounds), and "#calls" -> this pool's record
+--   calls, the order of the stamps;
+-- - lru: lex zset "<id>#<epoch:010d>|<stamp:017d>|<weight>|<hash>", so one instance's
+--   current epoch is one lex range in LRU order.
+-- A node records an entry every few blocks of a prompt and at its last block
+-- (Settings.prefix_record_stride), not every block: an entry stands for the blocks
+-- since the previous one (its weight), and since a block's hash covers its whole
+-- prefix, a lookup credits the deepest entry held, less than a stride short.
+-- stamp = call * 1000 + 999 - position: later calls are newer, even within one
+-- millisecond, and within one call the deeper entries are older, so eviction takes a
+-- prefix's tail before its head (as an engine's cache does). Entries of an older epoch
+-- are void at once (lookups compare epochs); sampled calls reclaim their storage in
+-- bounded steps.
 -- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
 -- KEYS[17] = {pool}:prefix_owners  hash, as above
 -- KEYS[18] = {pool}:prefix_lru     lex zset, as above
 -- ARGV[1] = instance id
 -- ARGV[2] = capacity: blocks kept for the instance (integer >= 0; 0 = record nothing)
 -- ARGV[3] = max_owners: instances kept per block (integer 1..64)
--- ARGV[4] = sample (1 = also reclaim void entries of one sampled member; nodes ask
---   on a share of their calls, which keeps the index bounded at a fraction of the cost)
--- ARGV[5..] = block hashes, in prompt order (at most 512, 1..64 chars of [0-9a-f])
+-- ARGV[4] = sample (1 = also reclaim void entries: this instance's older epochs and
+--   those of one sampled member; nodes ask on a share of their calls, which keeps the
+--   index bounded at a fraction of the cost)
+-- ARGV[5..] = pairs of block hash (1..64 chars of [0-9a-f]) and weight (the blocks it
+--   stands for, 1..512; 0 = a refresh: the weight the instance's entry has, else 1),
+--   in prompt order, at most 512 pairs
 -- returns {'ok', recorded, evicted, reclaimed} | {'gone'} (the id is not registered)
 local K_OWNERS, K_LRU = KEYS[17], KEYS[18]
 local RECLAIM_BUDGET = 256  -- void entries one call may delete
+local EVICT_BATCH = 16  -- lru entries one eviction step reads
 local id = ARGV[1]
 if not valid_id(id) then return fail('bad_arg', 'instance id') end
 local capacity = int_arg(ARGV[2], 1e9)
@@ -28,138 +41,202 @@ if capacity == nil then return fail('bad_arg', 'capacity must be an integer >= 0
 local max_owners = int_arg(ARGV[3], 64)
 if max_owners == nil or max_owners < 1 then return fail('bad_arg', 'max_owners in 1..64') end
 if ARGV[4] ~= '0' and ARGV[4] ~= '1' then return fail('bad_arg', 'sample must be 0 or 1') end
-local n = #ARGV - 4
+local n = (#ARGV - 4) / 2
+if n ~= math.floor(n) then return fail('bad_arg', 'block hashes and weights come in pairs') end
 if n > 512 then return fail('bad_arg', 'at most 512 block hashes') end
-for i = 5, #ARGV do
-  if not string.find(ARGV[i], '^[0-9a-f]+$') or #ARGV[i] > 64 then
-    return fail('bad_arg', 'block hash ' .. (i - 4))
-  end
+local hashes, weights = {}, {}
+for i = 1, n do
+  local hash = ARGV[3 + 2 * i]
+  if #hash < 1 or #hash > 64 then return fail('bad_arg', 'block hash ' .. i) end
+  hashes[i] = hash
+  weights[i] = int_arg(ARGV[4 + 2 * i], 512)
+  if weights[i] == nil then return fail('bad_arg', 'weight ' .. i) end
+end
+if not string.find(table.concat(hashes), '^[0-9a-f]*$') then  -- one match for all
+  return fail('bad_arg', 'block hashes are [0-9a-f]+')
 end
 local epoch = redis.call('HGET', K_EPOCH, id)
 if not epoch then return {'gone'} end
 epoch = tonumber(epoch)
 
 local unpack = table.unpack or unpack
+local stem = id .. '#' .. string.format('%010d', epoch)
 
-local function member(owner, e, stamp, hash)
-  return owner .. '#' .. string.format('%010d', e) .. '|' .. string.format('%017d', stamp)
-    .. '|' .. hash
+-- An owners entry "<id>|<epoch>|<stamp>[|<weight>]" as {id, epoch, stamp, weight,
+-- written before weights}. Entries from before weights were never counted: weight 0.
+local function entry_of(text)
+  local o, e, stamp, w = string.match(text, '^([^|]*)|(%d+)|(%d+)|(%d+)$')
+  if o then return {o, tonumber(e), tonumber(stamp), tonumber(w), false} end
+  o, e, stamp = string.match(text, '^([^|]*)|(%d+)|(%d+)$')
+  return {o, tonumber(e), tonumber(stamp), 0, true}
 end
 
--- The entries of an owners value: {owner, epoch, stamp, text} each.
-local function entries(list)
-  local out = {}
-  if list then
-    for entry in string.gmatch(list, '%S+') do
-      local o, e, stamp = string.match(entry, '^(.*)|(%d+)|(%d+)$')
-      table.insert(out, {o, tonumber(e), tonumber(stamp), entry})
-    end
-  end
-  return out
+local function stem_of(owner, e)
+  return owner .. '#' .. string.format('%010d', e)
 end
 
--- Write back owners values: non-empty ones in one HSET, empty ones in one HDEL.
-local function write_owners(values)
-  local sets, dels = {}, {}
-  for hash, list in pairs(values) do
-    if #list == 0 then
-      table.insert(dels, hash)
-    else
-      local texts = {}
-      for _, entry in ipairs(list) do table.insert(texts, entry[4]) end
-      table.insert(sets, hash)
-      table.insert(sets, table.concat(texts, ' '))
-    end
-  end
-  if #sets > 0 then redis.call('HSET', K_OWNERS, unpack(sets)) end
-  if #dels > 0 then redis.call('HDEL', K_OWNERS, unpack(dels)) end
+-- The lru member of an owners entry of `hash`.
+local function member_of(entry, hash)
+  local weight = entry[5] and '' or entry[4] .. '|'
+  return stem_of(entry[1], entry[2]) .. '|' .. string.format('%017d', entry[3]) .. '|'
+    .. weight .. hash
 end
 
--- Delete lru members in [lo, hi) (at most `budget`) and their owner entries, in a
--- fixed number of calls whatever their count.
-local function drop_range(lo, hi, budget)
-  if budget <= 0 then return 0 end
-  local members = redis.call('ZRANGEBYLEX', K_LRU, lo, hi, 'LIMIT', 0, budget)
-  if #members == 0 then return 0 end
-  local parsed, hashes, seen = {}, {}, {}
-  for _, m in ipairs(members) do
-    local owner, e, hash = string.match(m, '^(.*)#(%d+)|%d+|(%x+)$')
-    table.insert(parsed, {owner, tonumber(e), hash})
-    if not seen[hash] then
-      seen[hash] = true
-      table.insert(hashes, hash)
-    end
+-- An lru member as stem, owner, epoch, weight, hash (ids have no '#' or '|').
+local function parse_member(m)
+  local owner, e, rest = string.match(m, '^([^#]*)#(%d+)|%d+|(.*)$')
+  local w, hash = string.match(rest, '^(%d+)|(%x+)$')
+  if not w then w, hash = 0, rest end  -- written before weights: never counted
+  return owner .. '#' .. e, owner, tonumber(e), tonumber(w), hash
+end
+
+-- Changes to the owners hash, written at the end in one HSET (and one HDEL): field ->
+-- value ('' = delete), counts as numbers. `load` reads the fields not read yet.
+local values = {}
+local function load(fields)
+  local missing = {}
+  for _, f in ipairs(fields) do
+    if values[f] == nil then missing[#missing + 1] = f end
   end
-  local values = {}
-  local lists = redis.call('HMGET', K_OWNERS, unpack(hashes))
-  for i, hash in ipairs(hashes) do values[hash] = entries(lists[i] or nil) end
+  if #missing == 0 then return end
+  local got = redis.call('HMGET', K_OWNERS, unpack(missing))
+  for i, f in ipairs(missing) do values[f] = got[i] or '' end
+end
+local function add_count(field, delta)
+  if values[field] == nil then load({field}) end
+  values[field] = (tonumber(values[field]) or 0) + delta
+end
+
+-- Take these lru members out of the owners values and counts (loaded first); the
+-- caller removes them from the lru.
+local function unlink(members)
+  local parsed, fields = {}, {}
+  for i, m in ipairs(members) do
+    local p = {parse_member(m)}
+    parsed[i] = p
+    fields[#fields + 1] = p[5]
+    fields[#fields + 1] = p[1]
+  end
+  load(fields)
   for _, p in ipairs(parsed) do
     local kept = {}
-    for _, entry in ipairs(values[p[3]]) do
-      if not (entry[1] == p[1] and entry[2] == p[2]) then table.insert(kept, entry) end
+    for text in string.gmatch(values[p[5]], '%S+') do
+      local e = entry_of(text)
+      if not (e[1] == p[2] and e[2] == p[3]) then kept[#kept + 1] = text end
     end
-    values[p[3]] = kept
+    values[p[5]] = table.concat(kept, ' ')
+    add_count(p[1], -p[4])
   end
-  write_owners(values)
-  redis.call('ZREM', K_LRU, unpack(members))
-  return #members
 end
 
--- Reclaim void entries: this instance's older epochs, then those of one sampled
--- member (a restarted or unregistered instance is sampled in proportion to the
--- storage it still holds, so every void entry goes away eventually).
-local reclaimed = drop_range('[' .. id .. '#', '(' .. id .. '#' .. string.format('%010d', epoch),
-  RECLAIM_BUDGET)
-local sample = ARGV[4] == '1' and redis.call('ZRANDMEMBER', K_LRU, 1)[1]
-if sample then
-  local owner, e = string.match(sample, '^(.*)#(%d+)|')
-  local current = redis.call('HGET', K_EPOCH, owner)
-  if not current or tonumber(current) ~= tonumber(e) then
-    local stem = owner .. '#' .. e
-    reclaimed = reclaimed + drop_range('[' .. stem .. '|', '(' .. stem .. '}',
-      RECLAIM_BUDGET - reclaimed)
+-- Reclaim void entries (on sampled calls): this instance's older epochs, then those of
+-- one sampled member (a restarted or unregistered instance is sampled in proportion
+-- to the storage it still holds, so every void entry goes away eventually).
+local reclaimed = 0
+local function reclaim(lo, hi)
+  local members = redis.call('ZRANGEBYLEX', K_LRU, lo, hi, 'LIMIT', 0,
+    RECLAIM_BUDGET - reclaimed)
+  if #members == 0 then return end
+  unlink(members)
+  redis.call('ZREM', K_LRU, unpack(members))
+  reclaimed = reclaimed + #members
+end
+if ARGV[4] == '1' then
+  reclaim('[' .. id .. '#', '(' .. stem)
+  local sample = redis.call('ZRANDMEMBER', K_LRU, 1)[1]
+  if sample and reclaimed < RECLAIM_BUDGET then
+    local owner, e = string.match(sample, '^([^#]*)#(%d+)|')
+    local current = redis.call('HGET', K_EPOCH, owner)
+    if not current or tonumber(current) ~= tonumber(e) then
+      reclaim('[' .. owner .. '#' .. e .. '|', '(' .. owner .. '#' .. e .. '}')
+    end
   end
 end
 
 local recorded = 0
 if capacity > 0 and n > 0 then
-  local hashes = {}
-  for i = 1, n do hashes[i] = ARGV[4 + i] end
-  local lists = redis.call('HMGET', K_OWNERS, unpack(hashes))
-  local call = redis.call('HINCRBY', K_META, 'prefix_calls', 1)
-  local values, stale, adds = {}, {}, {}
+  load({'#calls', stem, unpack(hashes)})
+  if values['#calls'] == '' then  -- the count the index kept before weights, if any
+    values['#calls'] = redis.call('HGET', K_META, 'prefix_calls') or ''
+  end
+  local call = (tonumber(values['#calls']) or 0) + 1
+  values['#calls'] = call
+  -- stamp = call * 1000 + 999 - (i - 1): with at most 512 entries its last three
+  -- digits are 488..999, so the padded stamp is the padded call and those digits.
+  local call_pad, call_text = string.format('%014d', call), tostring(call)
+  local stale, adds = {}, {}
+  local mark = id .. '|'
+  local head = mark .. epoch .. '|'
   for i, hash in ipairs(hashes) do
-    local stamp = call * 1000 + 999 - (i - 1)
-    local kept = {}
-    for _, entry in ipairs(entries(lists[i] or nil)) do
-      if entry[1] == id then  -- this instance's older entry (any epoch): replaced
-        table.insert(stale, member(entry[1], entry[2], entry[3], hash))
-      else
-        table.insert(kept, entry)
+    local last, weight = tostring(1000 - i), weights[i]
+    local list, kept = values[hash], ''
+    if list ~= '' then
+      local others, count, first = {}, 0, 1
+      for text in string.gmatch(list, '%S+') do
+        local e = string.sub(text, 1, #mark) == mark and entry_of(text)
+        if e and e[1] == id then  -- this instance's older entry (any epoch): replaced
+          stale[#stale + 1] = member_of(e, hash)
+          if weight == 0 and e[2] == epoch then weight = e[4] end
+          add_count(stem_of(id, e[2]), -e[4])
+        else
+          count = count + 1
+          others[count] = text
+        end
       end
+      while count - first + 1 >= max_owners do  -- room for this entry
+        local gone = entry_of(others[first])
+        stale[#stale + 1] = member_of(gone, hash)
+        add_count(stem_of(gone[1], gone[2]), -gone[4])
+        first = first + 1
+      end
+      if first <= count then kept = table.concat(others, ' ', first) .. ' ' end
     end
-    table.insert(kept, {id, epoch, stamp, id .. '|' .. string.format('%d', epoch) .. '|'
-      .. string.format('%d', stamp)})
-    while #kept > max_owners do
-      local gone = table.remove(kept, 1)
-      table.insert(stale, member(gone[1], gone[2], gone[3], hash))
-    end
-    values[hash] = kept
-    table.insert(adds, 0)
-    table.insert(adds, member(id, epoch, stamp, hash))
+    if weight == 0 then weight = 1 end
+    add_count(stem, weight)
+    values[hash] = kept .. head .. call_text .. last .. '|' .. weight
+    adds[#adds + 1] = '0'  -- a string: Redis would format a number
+    adds[#adds + 1] = stem .. '|' .. call_pad .. last .. '|' .. weight .. '|' .. hash
   end
   if #stale > 0 then redis.call('ZREM', K_LRU, unpack(stale)) end
-  write_owners(values)
   redis.call('ZADD', K_LRU, unpack(adds))
   recorded = n
 end
 
 -- Keep the instance within its capacity, oldest first; evicting only once it is an
 -- eighth over (at most 16 blocks) spreads that work over several calls.
-local stem = id .. '#' .. string.format('%010d', epoch)
-local over = redis.call('ZLEXCOUNT', K_LRU, '[' .. stem .. '|', '(' .. stem .. '}') - capacity
+if values[stem] == nil then load({stem}) end
+local over = (tonumber(values[stem]) or 0) - capacity
 local evicted = 0
 if over > math.min(16, math.floor(capacity / 8)) then
-  evicted = drop_range('[' .. stem .. '|', '(' .. stem .. '}', math.min(over, 1024))
+  local lo, hi = '[' .. stem .. '|', '(' .. stem .. '}'
+  while over > 0 and evicted < 1024 do
+    local batch = redis.call('ZRANGEBYLEX', K_LRU, lo, hi, 'LIMIT', 0, EVICT_BATCH)
+    if #batch == 0 then  -- the count drifted above what is stored: trust the store
+      values[stem] = 0
+      break
+    end
+    local take = {}
+    for _, m in ipairs(batch) do
+      if over <= 0 then break end
+      local _, _, _, w = parse_member(m)
+      take[#take + 1] = m
+      over = over - w
+    end
+    unlink(take)
+    redis.call('ZREM', K_LRU, unpack(take))
+    evicted = evicted + #take
+  end
 end
+
+local sets, dels = {}, {}
+for field, value in pairs(values) do
+  if value == '' or (type(value) == 'number' and value <= 0) then
+    dels[#dels + 1] = field
+  else
+    sets[#sets + 1] = field
+    sets[#sets + 1] = value
+  end
+end
+if #sets > 0 then redis.call('HSET', K_OWNERS, unpack(sets)) end
+if #dels > 0 then redis.call('HDEL', K_OWNERS, unpack(dels)) end
 return {'ok', recorded, evicted, reclaimed}

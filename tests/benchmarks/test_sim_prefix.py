@@ -7,6 +7,8 @@ import math
 import random
 from dataclasses import replace
 
+import pytest
+
 from bench.prefix_report import popular_prefix
 from bench.sim.prefix_policies import (
     HashRing,
@@ -40,15 +42,22 @@ def prompts(seed: int, count: int) -> list[tuple[int, ...]]:
     return out
 
 
-async def test_the_sim_index_agrees_with_the_real_one(make_coordinator: MakeCoordinator) -> None:
+@pytest.mark.parametrize("stride", [1, 3])
+async def test_the_sim_index_agrees_with_the_real_one(
+    make_coordinator: MakeCoordinator, stride: int
+) -> None:
     tokens = BLOCK // 4
     c = await make_coordinator(
-        "n-sim", prefix_block_chars=BLOCK, prefix_max_owners=2, prefix_max_blocks=512
+        f"n-sim-{stride}",
+        prefix_block_chars=BLOCK,
+        prefix_max_owners=2,
+        prefix_max_blocks=512,
+        prefix_record_stride=stride,
     )
     for i in range(3):
         await c.register_instance(spec(i, prefix_cache_tokens=CAPACITY_BLOCKS * tokens))
     await c.refresh()
-    sim = SharedPrefixIndex(CAPACITY_BLOCKS, max_owners=2)
+    sim = SharedPrefixIndex(CAPACITY_BLOCKS, max_owners=2, stride=stride)
     rng = random.Random(7)
 
     def text(blocks: tuple[int, ...]) -> str:
@@ -63,6 +72,8 @@ async def test_the_sim_index_agrees_with_the_real_one(make_coordinator: MakeCoor
         await c.prefix.record(chosen, hashes, held * tokens)
         sim.record(chosen, blocks, held)
     assert any(sim.size(f"i{i}") == CAPACITY_BLOCKS for i in range(3))  # evictions ran
+    held = await c.prefix.index_tokens([(f"i{i}", 1) for i in range(3)])
+    assert held == {f"i{i}": sim.size(f"i{i}") * tokens for i in range(3)}
 
 
 def test_consistent_hashing_keeps_a_first_block_on_one_instance() -> None:

@@ -212,7 +212,8 @@ def calls(draw: st.DrawFn, name: str) -> Call:
         return draw(mutate(name, draw(transitions)))
     args = [draw(position) for position in LAYOUTS[name]]
     if name == "record_prefix":
-        args += draw(st.lists(block_hash, max_size=5))
+        for hash_ in draw(st.lists(block_hash, max_size=5)):
+            args += [hash_, draw(st.integers(0, 9).map(str))]
     return draw(mutate(name, args))
 
 
@@ -392,7 +393,7 @@ BASE_CALLS: dict[str, list[str]] = {
     "record_outcome": ["i0", "fail", "1", "10000", "100", "1000", "50", "10000", "status_500"],
     "read_outliers": [],
     "store_hints": ["i0", "1.5", "", "2"],
-    "record_prefix": ["i0", "1000", "8", "1", "0a1b", "ff00"],
+    "record_prefix": ["i0", "1000", "8", "1", "0a1b", "1", "ff00", "0"],
     "merge_timing": ["10000", "4.0", "86400000", "0", "i0", pack(_timing_batch(1))],
 }
 SWEEP_VALUES = [

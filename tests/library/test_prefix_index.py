@@ -7,6 +7,7 @@ import pytest
 
 from coordinator import Coordinator, ScriptArgumentError
 from coordinator.prefix import CachedTokens
+from coordinator.prefix_index import SAMPLE_EVERY, recorded_entries
 from tests.conftest import MakeCoordinator
 from tests.helpers import spec
 
@@ -14,8 +15,11 @@ BLOCK = 64  # characters per block in these tests
 TOKENS = BLOCK // 4  # tokens one block stands for
 
 
-async def setup(make: MakeCoordinator, n: int = 3, **spec_fields: int) -> Coordinator:
-    c = await make("n1", prefix_block_chars=BLOCK)
+async def setup(
+    make: MakeCoordinator, n: int = 3, stride: int = 1, **spec_fields: int
+) -> Coordinator:
+    """A node indexing every block (`stride` 1) unless told, and `n` instances."""
+    c = await make("n1", prefix_block_chars=BLOCK, prefix_record_stride=stride)
     for i in range(n):
         await c.register_instance(spec(i, **spec_fields))
     await c.refresh()
@@ -29,6 +33,12 @@ def text(*parts: str) -> str:
 
 def hashes(c: Coordinator, *parts: str) -> list[str]:
     return c.prefix.hashes({"prompt": text(*parts)})
+
+
+async def owners(c: Coordinator) -> dict[str, str]:
+    """The owners hash's block fields (its count fields have a '#')."""
+    values = await c.redis.hgetall(c.keys.prefix_owners())
+    return {str(k): str(v) for k, v in values.items() if "#" not in str(k)}
 
 
 async def lru_members(c: Coordinator) -> list[str]:
@@ -58,7 +68,7 @@ async def test_capacity_bounds_an_instance_and_evicts_oldest_tails_first(
     await c.prefix.record("i0", hashes(c, "x", "y"))
     members = await lru_members(c)
     assert len(members) == 4
-    assert await c.redis.hlen(c.keys.prefix_owners()) == 4
+    assert len(await owners(c)) == 4
     # The older request lost its deepest block; its head is still held.
     assert await c.prefix.cached_tokens(hashes(c, "a", "b", "c")) == {"i0": 2 * TOKENS}
     assert await c.prefix.cached_tokens(hashes(c, "x", "y")) == {"i0": 2 * TOKENS}
@@ -71,14 +81,15 @@ async def test_recording_again_refreshes_instead_of_duplicating(
     for _ in range(3):
         await c.prefix.record("i0", hashes(c, "a", "b"))
     assert len(await lru_members(c)) == 2
-    owners = await c.redis.hgetall(c.keys.prefix_owners())
-    assert all(value.count("i0|") == 1 for value in owners.values())
+    assert all(value.count("i0|") == 1 for value in (await owners(c)).values())
 
 
 async def test_max_owners_keeps_the_most_recent_instances(
     make_coordinator: MakeCoordinator,
 ) -> None:
-    c = await make_coordinator("n1", prefix_block_chars=BLOCK, prefix_max_owners=2)
+    c = await make_coordinator(
+        "n1", prefix_block_chars=BLOCK, prefix_max_owners=2, prefix_record_stride=1
+    )
     for i in range(4):
         await c.register_instance(spec(i))
     await c.refresh()
@@ -96,10 +107,14 @@ async def test_epoch_bump_voids_at_once_and_storage_is_reclaimed(
     await c.register_instance(spec(0, epoch=2))
     await c.refresh()
     assert await c.prefix.cached_tokens(hashes(c, "a", "b")) == {}
-    await c.prefix.record("i0", hashes(c, "z"))
+    # The node's next sampled record (one in SAMPLE_EVERY) reclaims the old epoch.
+    for _ in range(SAMPLE_EVERY):
+        await c.prefix.record("i0", hashes(c, "z"))
     members = await lru_members(c)
     assert len(members) == 1 and members[0].startswith("i0#0000000002|")
-    assert await c.redis.hlen(c.keys.prefix_owners()) == 1
+    assert len(await owners(c)) == 1
+    counts = await c.redis.hgetall(c.keys.prefix_owners())
+    assert {k: v for k, v in counts.items() if "#" in k and k != "#calls"} == {"i0#0000000002": "1"}
 
 
 async def test_an_unregistered_instance_is_reclaimed_by_later_records(
@@ -118,7 +133,7 @@ async def test_an_unregistered_instance_is_reclaimed_by_later_records(
             break
         await c.prefix.record("i0", hashes(c, "q"))
     assert [m.split("|")[0] for m in await lru_members(c)] == ["i0#0000000001"]
-    assert await c.redis.hlen(c.keys.prefix_owners()) == 1
+    assert len(await owners(c)) == 1
 
 
 async def test_nothing_but_hashes_and_ids_is_stored(make_coordinator: MakeCoordinator) -> None:
@@ -134,12 +149,20 @@ async def test_bad_arguments_are_refused(make_coordinator: MakeCoordinator) -> N
     c = await setup(make_coordinator)
     keys = (c.keys.prefix_owners(), c.keys.prefix_lru())
     with pytest.raises(ScriptArgumentError):
-        await c._direct_call("record_prefix", ["i0", 10, 8, 0, "not-hex"], keys)
+        await c._direct_call("record_prefix", ["i0", 10, 8, 0, "not-hex", 1], keys)
     with pytest.raises(ScriptArgumentError):
-        await c._direct_call("record_prefix", ["i0", -1, 8, 0, "ab"], keys)
+        await c._direct_call("record_prefix", ["i0", 10, 8, 0, "ab", 1, "", 1], keys)
     with pytest.raises(ScriptArgumentError):
-        await c._direct_call("record_prefix", ["i0", 10, 8, 2, "ab"], keys)
-    reply = await c._direct_call("record_prefix", ["nobody", 10, 8, 0, "ab"], keys)
+        await c._direct_call("record_prefix", ["i0", 10, 8, 0, "ab cd", 1], keys)
+    with pytest.raises(ScriptArgumentError):
+        await c._direct_call("record_prefix", ["i0", 10, 8, 0, "ab"], keys)  # no weight
+    with pytest.raises(ScriptArgumentError):
+        await c._direct_call("record_prefix", ["i0", 10, 8, 0, "ab", 513], keys)
+    with pytest.raises(ScriptArgumentError):
+        await c._direct_call("record_prefix", ["i0", -1, 8, 0, "ab", 1], keys)
+    with pytest.raises(ScriptArgumentError):
+        await c._direct_call("record_prefix", ["i0", 10, 8, 2, "ab", 1], keys)
+    reply = await c._direct_call("record_prefix", ["nobody", 10, 8, 0, "ab", 1], keys)
     assert [str(x) for x in reply] == ["gone"]
 
 
@@ -169,7 +192,7 @@ async def test_a_prefix_this_node_just_routed_is_hot_on_this_node_only(
     make_coordinator: MakeCoordinator,
 ) -> None:
     c = await setup(make_coordinator)
-    other = await make_coordinator("n2", prefix_block_chars=BLOCK)
+    other = await make_coordinator("n2", prefix_block_chars=BLOCK, prefix_record_stride=1)
     await other.refresh()
     turn = hashes(c, "a", "b")
     await other.prefix.record("i0", turn)  # another node routed it
@@ -303,3 +326,77 @@ async def test_a_prompt_in_constant_use_is_not_evicted_as_the_oldest(
     await c.prefix.record("i0", hashes(c, "z", "w"))  # two over capacity: two evicted
     assert await c.prefix.cached_tokens(hot) == {"i0": 2 * TOKENS}
     assert await c.prefix.cached_tokens(hashes(c, "x", "y")) == {"i0": TOKENS}
+
+
+def test_recorded_entries_are_every_stride_th_block_and_the_last() -> None:
+    assert recorded_entries(20, 0, 8) == [(8, 8), (16, 8), (20, 4)]
+    assert recorded_entries(16, 0, 8) == [(8, 8), (16, 8)]
+    # A follow-up: the deepest held block refreshed (weight 0), then the new ones.
+    assert recorded_entries(32, 30, 8) == [(30, 0), (32, 2)]
+    assert recorded_entries(5, 5, 8) == [(5, 0)]  # a whole hit: only the refresh
+    assert recorded_entries(3, 0, 1) == [(1, 1), (2, 1), (3, 1)]
+    assert recorded_entries(3, 9, 1) == [(3, 0)]  # held is capped at the prompt
+
+
+async def test_a_strided_index_credits_the_deepest_entry_and_counts_blocks(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    c = await setup(make_coordinator, stride=8)
+    parts = [chr(ord("a") + k) for k in range(20)]
+    await c.prefix.record("i0", hashes(c, *parts))
+    members = await lru_members(c)
+    # Entries at blocks 8, 16 and 20, weighing the blocks each stands for.
+    assert sorted(m.split("|")[2] for m in members) == ["4", "8", "8"]
+    assert await c.prefix.cached_tokens(hashes(c, *parts)) == {"i0": 20 * TOKENS}
+    # A prompt that leaves this one after 13 blocks: credited up to the entry at 8.
+    assert await c.prefix.cached_tokens(hashes(c, *parts[:13], "z")) == {"i0": 8 * TOKENS}
+    assert await c.prefix.index_tokens([("i0", 1)]) == {"i0": 20 * TOKENS}
+    # The next turn: its previous prompt credited in full, 3 blocks added.
+    turn = hashes(c, *parts, "x", "y", "w")
+    held = (await c.prefix.cached_tokens(turn))["i0"]
+    assert held == 20 * TOKENS
+    await c.prefix.record("i0", turn, held)
+    assert await c.prefix.cached_tokens(turn) == {"i0": 23 * TOKENS}
+    # The refreshed entry kept its weight: the count is the prompt's blocks.
+    assert await c.prefix.index_tokens([("i0", 1)]) == {"i0": 23 * TOKENS}
+    assert len(await lru_members(c)) == 4
+
+
+async def test_a_strided_index_evicts_the_oldest_tails_within_its_capacity(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Capacity counts blocks (the entries' weights), not entries; eviction takes
+    the oldest entry first, which is a prompt's tail."""
+    c = await setup(make_coordinator, stride=4, prefix_cache_tokens=12 * TOKENS)
+    first = hashes(c, *"abcdefgh")
+    second = hashes(c, *"ijklmnop")
+    await c.prefix.record("i0", first)
+    await c.prefix.record("i0", second)
+    # 16 blocks recorded, 12 kept: the first prompt lost its tail entry (4 blocks).
+    assert await c.prefix.index_tokens([("i0", 1)]) == {"i0": 12 * TOKENS}
+    assert await c.prefix.cached_tokens(first) == {"i0": 4 * TOKENS}
+    assert await c.prefix.cached_tokens(second) == {"i0": 8 * TOKENS}
+    for k in range(6):  # many more prompts: the count never passes the capacity
+        await c.prefix.record("i0", hashes(c, *f"q{k}rstuvw"))
+        count = (await c.prefix.index_tokens([("i0", 1)]))["i0"]
+        assert count <= 12 * TOKENS
+        weights = sum(int(m.split("|")[2]) for m in await lru_members(c))
+        assert weights * TOKENS == count
+    assert await c.prefix.cached_tokens(first) == {}
+
+
+async def test_entries_written_before_weights_are_replaced_not_leaked(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """An index left by the previous script: "<id>|<epoch>|<stamp>" owners, lru
+    members without a weight, the call count in meta. Recording over it replaces
+    those entries and stamps newer than theirs."""
+    c = await setup(make_coordinator)
+    (h,) = hashes(c, "a")
+    await c.redis.hset(c.keys.prefix_owners(), h, "i0|1|7999")
+    await c.redis.zadd(c.keys.prefix_lru(), {f"i0#0000000001|00000000000007999|{h}": 0})
+    await c.redis.hset(c.keys.column("meta"), "prefix_calls", 7)
+    await c.prefix.record("i0", [h])
+    assert await lru_members(c) == [f"i0#0000000001|00000000000008999|1|{h}"]
+    assert (await owners(c))[h] == "i0|1|8999|1"
+    assert await c.prefix.index_tokens([("i0", 1)]) == {"i0": TOKENS}
