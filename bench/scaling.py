@@ -1169,7 +1169,7 @@ def render(r: Results) -> str:
         "  to its slot. The whole `state` comes only in a `reserve` reply that did not",
         "  reserve (`stale`: the node decides again on fresh rows) to a view that is",
         "  behind, and from `read_state` when the view has not been current for",
-        "  `snapshot_max_age_ms` (250 ms); `live` every `live_refresh_ms` (2 s). Nodes",
+        "  `snapshot_max_age_ms` (500 ms); `live` every `live_refresh_ms` (2 s). Nodes",
         "  send their best 8 candidates (`top_k`) with bounds; when every one got",
         "  busier than its bound, `reserve` still takes the least busy if it has no",
         "  more live reservations than the pool's mean (meta `inflight_total` over the",

@@ -300,7 +300,7 @@ tests/benchmarks/test_sim.py checks step by step against the Lua scripts on a re
 Arrivals are spread over 3 proxy nodes round-robin; each node has its own
 round-robin counter, random generator and running average of output lengths (the
 expected output it reserves) and its own view of the pool, kept as a real node
-keeps it: read again once 250 ms old (`snapshot_max_age_ms`), hints every 2000 ms
+keeps it: read again once 500 ms old (`snapshot_max_age_ms`), hints every 2000 ms
 (`live_refresh_ms`), in between only its own reserves, marks and releases, with the
 reserve script's check of each candidate against what the node saw. Engine hints
 (num_running/num_waiting) are scraped every 1000 ms. Instances register the engine's timing with

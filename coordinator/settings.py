@@ -108,7 +108,7 @@ class Settings:
     # it falls behind until a stale answer or this age brings the whole state.
     # reserve re-checks the candidates' load, so an old view can cost a retry but
     # never herding.
-    snapshot_max_age_ms: int = 250  # 0 = read the pool state before every decision
+    snapshot_max_age_ms: int = 500  # 0 = read the pool state before every decision
     live_refresh_ms: int = 2_000  # liveness and hints are re-read this often (<= ttl/4)
     # first_token_soon/release_soon (the proxy's) ride on the node's next reserve, or
     # go in one call after this long: one Redis call per request instead of three.
