@@ -84,7 +84,8 @@ def main() -> int:
         body = markdown(run, _command(trace, run, args)).replace(str(trace), _shown(trace))
         sections.append(f"### {label.capitalize()} trace\n\n{body}")
     total = time.monotonic() - started
-    defaults = "" if sys.argv[1:] == [] else " " + shlex.join(sys.argv[1:])
+    shown = [a for a in sys.argv[1:] if a != "--write-docs"]
+    defaults = " " + shlex.join(shown) if shown else ""
     text = "\n\n".join(
         [
             "## Live cluster vs simulation",

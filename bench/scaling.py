@@ -659,7 +659,7 @@ async def _stalls(url: str, scale: Scale) -> list[dict[str, Any]]:
     await op(
         "a. new node's first read",
         f"refresh() of an empty cache: read_state with liveness, then read_specs full "
-        f"in steps of 500 ({scale.instances:,} instances)",
+        f"in steps of {SPEC_READ_STEP} ({scale.instances:,} instances)",
         newcomer.refresh,
     )
     # (b) The same node, idle for a heartbeat interval of changes.
@@ -1182,9 +1182,9 @@ def render(r: Results) -> str:
         "  makes two (`reserve`, then `carry`).",
         "- **Specs read on change.** Registration, restart and removal bump the pool's",
         "  `spec_gen` and log the id in `spec_log` (the last 10,000 changes). A node whose",
-        "  `spec_gen` is behind reads exactly the changed ids (`read_specs`, 500 per",
+        f"  `spec_gen` is behind reads exactly the changed ids (`read_specs`, {SPEC_READ_STEP} per",
         "  step); a node that fell behind the kept log, or a new node, reads every spec",
-        "  with HSCAN, 500 per step. An unchanged spec is never resent.",
+        f"  with HSCAN, {SPEC_READ_STEP} per step. An unchanged spec is never resent.",
         "- **Bounded steps.** `reap_node` releases at most 50 reservations per call and",
         "  answers `more`; `unregister` and an epoch bump zero the counters at once and",
         "  leave the records to `sweep` (500 per call, driven by the lease loop through",
