@@ -1,7 +1,7 @@
 """Redis cost of the prefix index per request, this checkout against another commit
-(by default the one where this branch left `main`), side by side: both run on one
-private server, alternating, each with its own code (node and scripts), medians
-reported.
+(by default the one where this branch left `main`; on main itself, name one with
+--against), side by side: both run on one private server, alternating, each with its
+own code (node and scripts), medians reported.
 
     python bench/prefix_cost.py [--against REF] [--rounds 3] [--instances 64 1024]
 
@@ -60,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=1000, help="per case and run")
     args = parser.parse_args(argv)
     ref = args.against or git("merge-base", "HEAD", "main").decode().strip()
+    if ref == git("rev-parse", "HEAD").decode().strip():
+        parser.error("nothing to compare with here (HEAD is the merge-base): --against REF")
     name = ref[:10]
     runs: dict[tuple[str, int, str], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as other:
