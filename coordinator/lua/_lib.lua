@@ -104,9 +104,8 @@ end
 -- A reservation record as stored: JSON (cjson.decode reads it), formatted directly
 -- at half the cost of cjson.encode. Ids are validated ids and phase is
 -- 'prefill' or 'decode', so nothing needs escaping.
-local RECORD_JSON = '{"instance":"%s","epoch":%d,"node":"%s","phase":"%s",'
-  .. '"prompt_tokens":%d,"expected_output_tokens":%d,"prefill_ms":%d,"decode_ms":%d,'
-  .. '"created_ms":%d,"first_token_at_ms":%d,"end_at_ms":%d,"predicted_ttft_ms":%d}'
+-- One literal (Lua 5.1 does not fold '..' of constants: it would run on every call).
+local RECORD_JSON = '{"instance":"%s","epoch":%d,"node":"%s","phase":"%s","prompt_tokens":%d,"expected_output_tokens":%d,"prefill_ms":%d,"decode_ms":%d,"created_ms":%d,"first_token_at_ms":%d,"end_at_ms":%d,"predicted_ttft_ms":%d}'
 
 local function encode_record(r)
   return string.format(RECORD_JSON, r.instance, r.epoch, r.node, r.phase, r.prompt_tokens,
@@ -260,7 +259,24 @@ local function earliest_joined(st, end_at)
 end
 
 local function earliest_left(st, id, epoch, end_at)
-  if st.earliest == 0 or end_at <= st.earliest then st.earliest = earliest_end(id, epoch) end
+  if st.pending + st.decode == 0 then
+    st.earliest = 0  -- the counters count exactly the live reservations of this epoch
+  elseif st.earliest == 0 or end_at <= st.earliest then
+    st.earliest = earliest_end(id, epoch)
+  end
+end
+
+-- Keep st.earliest after a reservation's predicted end moved from `old_end` to
+-- `new_end` (call after the index changed). An end that moved earlier leaves the
+-- earliest at min(earliest, new_end) whichever reservation held it: the index is
+-- re-read only when the earliest itself moved later.
+local function earliest_moved(st, id, epoch, old_end, new_end)
+  if new_end <= old_end and st.earliest > 0 then
+    if new_end < st.earliest then st.earliest = new_end end
+  else
+    earliest_left(st, id, epoch, old_end)
+    earliest_joined(st, new_end)
+  end
 end
 
 -- The hint arguments ARGV[2..4] (engine_running, engine_waiting, queue_depth: a
@@ -431,8 +447,7 @@ local function first_token(rid, now)
   -- Its prefill just ended, so the prefills queued behind it start now, one after
   -- another.
   st.free_at = now + st.pending_ms
-  earliest_left(st, id, rec.epoch, old_end)
-  earliest_joined(st, rec.end_at_ms)
+  earliest_moved(st, id, rec.epoch, old_end, rec.end_at_ms)
   return 'ok', write_state(st)
 end
 
