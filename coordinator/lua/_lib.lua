@@ -176,14 +176,15 @@ local function be6(v)
   return string.char((v - b) / 128, b, c, d, e, f)
 end
 
-local function d3(b, i)
-  return (b[i] * 128 + b[i + 1]) * 128 + b[i + 2]
-end
-
-local function d6(b, i)
-  local v = 0
-  for k = i, i + 5 do v = v * 128 + b[k] end
-  return v
+-- A packed state record's five fields (pending, decode, free_at, earliest, pending_ms),
+-- from one string.byte call into locals: no table, no loop (every transition reads one).
+local function decode_state(raw)
+  local a1, a2, a3, b1, b2, b3, c1, c2, c3, c4, c5, c6, d1, d2, d3, d4, d5, d6,
+    e1, e2, e3, e4, e5, e6 = string.byte(raw, 1, STATE_BYTES)
+  return (a1 * 128 + a2) * 128 + a3, (b1 * 128 + b2) * 128 + b3,
+    ((((c1 * 128 + c2) * 128 + c3) * 128 + c4) * 128 + c5) * 128 + c6,
+    ((((d1 * 128 + d2) * 128 + d3) * 128 + d4) * 128 + d5) * 128 + d6,
+    ((((e1 * 128 + e2) * 128 + e3) * 128 + e4) * 128 + e5) * 128 + e6
 end
 
 -- The instances' decoded state records this call read, by id: one table per instance,
@@ -206,10 +207,9 @@ local function slot_state(id)
     st = {slot = slot, pending = 0, decode = 0, free_at = 0, earliest = 0, pending_ms = 0,
       base = 0}
   else
-    local b = {string.byte(raw, 1, STATE_BYTES)}
-    local pending, decode = d3(b, 1), d3(b, 4)
-    st = {slot = slot, pending = pending, decode = decode, free_at = d6(b, 7),
-      earliest = d6(b, 13), pending_ms = d6(b, 19), base = pending + decode}
+    local pending, decode, free_at, earliest, pending_ms = decode_state(raw)
+    st = {slot = slot, pending = pending, decode = decode, free_at = free_at,
+      earliest = earliest, pending_ms = pending_ms, base = pending + decode}
   end
   slot_states[id] = st
   return st

@@ -16,8 +16,9 @@ if since == nil or limit == nil or limit < 1 then return fail('bad_arg', 'since,
 local now = now_ms()
 local run = run_id(now)
 local gen = num(K_META, 'spec_gen')
-local function entry(out, id)
-  local spec = redis.call('HGET', K_SPEC, id)
+-- `spec`: the spec JSON when the caller has it already (HSCAN returns it), else nil.
+local function entry(out, id, spec)
+  spec = spec or redis.call('HGET', K_SPEC, id)
   table.insert(out, id)
   if spec then
     table.insert(out, spec)
@@ -51,5 +52,5 @@ if cursor == '' then
   end
 end
 local step = redis.call('HSCAN', K_SPEC, cursor, 'COUNT', limit)
-for i = 1, #step[2], 2 do entry(out, step[2][i]) end
+for i = 1, #step[2], 2 do entry(out, step[2][i], step[2][i + 1]) end
 return {run, gen, 'full', step[1], out}
