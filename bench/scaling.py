@@ -40,7 +40,7 @@ from coordinator.coordinator import (  # noqa: E402
     SWEEP_STEP,
     LocalReservation,
 )
-from coordinator.keys import PoolKeys  # noqa: E402
+from coordinator.keys import COLUMNS, PoolKeys  # noqa: E402
 from coordinator.packed import STATE_BYTES  # noqa: E402
 from coordinator.scripts import SCRIPT_NAMES, script_source  # noqa: E402
 from local_fleet.embedded import EmbeddedRedis  # noqa: E402
@@ -402,6 +402,12 @@ def pipelined_cycles(url: str, pool: str, requests: int) -> dict[str, float]:
     }
 
 
+def request_call_args() -> int:
+    """Arguments of a proxied request's one call: reserve's 10, a group of 5 per
+    candidate, then the carried mark and release (a count and 2 pairs)."""
+    return 10 + 5 * SETTINGS.top_k + 1 + 2 * 2
+
+
 def script_floor(url: str, calls: int) -> dict[str, float]:
     """EVALSHA usec of `return 1`, and of the shared prelude with all pool keys; and the
     server CPU of one call (PING, EVALSHA of `return 1` with the pool keys) from a client
@@ -427,6 +433,14 @@ def script_floor(url: str, calls: int) -> dict[str, float]:
             for _ in range(calls):
                 empty_with_keys(keys=keys)
             out["call_cpu"] = diff(server_counters(client), before)["cpu_s"] * 1e6 / calls
+            # As many keys and arguments as a proxied request's one call sends (reserve
+            # with top_k candidates, carrying a mark and a release): what the call
+            # costs before its script does anything.
+            args = ["x"] * request_call_args()
+            before = server_counters(client)
+            for _ in range(calls):
+                empty_with_keys(keys=[*keys, "{floor}:rids"], args=args)
+            out["request_call_cpu"] = diff(server_counters(client), before)["cpu_s"] * 1e6 / calls
     before = server_counters(client)
     for _ in range(calls):
         client.ping()
@@ -1057,6 +1071,14 @@ def reasons(r: Results) -> list[str]:
             "this machine (a 2-core VM) each wake-up costs more CPU than a small script. With "
             "server and client pinned to one core (`taskset`), a PING measured 4.5 µs, "
             "against 27 µs on different cores, in an ad-hoc run of the same loop."
+        )
+        budget = CPU_TARGET_US[SIZES[0]]
+        out.append(
+            f"- With a proxied request's keys and arguments ({len(COLUMNS) + 1} keys, "
+            f"{request_call_args()} arguments) the same empty script costs "
+            f"{floor['request_call_cpu']:.0f} µs of server CPU per call: "
+            f"{floor['request_call_cpu'] / budget:.0%} of the {budget:.0f} µs target at "
+            f"{SIZES[0]} instances before the script runs a single command."
         )
         piped = ", ".join(
             f"{r.scripts[n]['pipelined_cpu']:.0f} µs at {n:,} instances "
