@@ -74,6 +74,7 @@ BEFORE = {
 }
 
 SIZES = (64, 1024)
+TIMING_SAMPLES = 64  # samples per timing flush in section 2 (one per instance)
 NODE_COUNTS = (1, 4, 16, 64)
 # A fleet to size with the measured cost (shards = fleet CPU / budget per shard).
 FLEET_RPS = 50_000
@@ -358,6 +359,21 @@ async def _per_script(url: str, pool: str, batch: int) -> dict[str, float]:
         previous = await c.reserve(512, 128)
     out["reserve_carrying"], out["reserve_carrying_bytes"] = per_call(before)
     await c.release(previous.rid)
+    # Learned timing (issue 15): what one node's flush merges, then the pool's records
+    # read back. A sample per request of a flush interval's worth of requests, spread
+    # over the pool (every instance has a record to return).
+    flushes = max(1, batch // 20)
+    held = [await c.reserve(512, 128) for _ in range(min(len(c._cache.rows), TIMING_SAMPLES))]
+    current[0] = "merge_timing"
+    before = server_counters(sync)
+    for _ in range(flushes):
+        for res in held:
+            c.observe(res, ttft_ms=60.0, output_tokens=128, decode_ms=2540.0)
+        await c.sync_timing()
+    out["merge_timing"], out["merge_timing_bytes"] = per_call(before)
+    out["merge_timing_calls"] = float(flushes)
+    for res in held:
+        await c.release(res.rid)
     for live in (0, 1):
         before = server_counters(sync)
         for _ in range(batch):
@@ -368,6 +384,13 @@ async def _per_script(url: str, pool: str, batch: int) -> dict[str, float]:
     sync.close()
     await c.close()
     return out
+
+
+def timing_us_per_request(merge_us: float, nodes: int, rps: float, flush_ms: int) -> float:
+    """Server µs per request that learned timing adds: each node merges once every
+    `flush_ms`, whatever its own traffic, so a fleet of `nodes` serving `rps` requests/s
+    pays nodes / (rps x flush interval) merges per request."""
+    return merge_us * nodes / (rps * flush_ms / 1000)
 
 
 def pipelined_cycles(url: str, pool: str, requests: int) -> dict[str, float]:
@@ -926,6 +949,7 @@ SCRIPT_ROWS = (
     ("release", "release"),
     ("read_state", "read_state"),
     ("read_state_live", "read_state with live"),
+    ("merge_timing", "merge_timing (a node's timing flush: samples in, the pool's records out)"),
 )
 
 
@@ -1293,6 +1317,8 @@ def render(r: Results) -> str:
         f"server never waits for a call) costs {s64['pipelined_cpu']:.0f} / {s1k['pipelined_cpu']:.0f} µs of server CPU "
         f"({s64['pipelined_usec']:.0f} / {s1k['pipelined_usec']:.0f} µs inside scripts).",
         "",
+        *timing_cost_lines(r),
+        "",
         "## 3. No stalls: long operations on a big pool",
         "",
         f"A private server with one pool of {r.scale.instances:,} instances and "
@@ -1331,6 +1357,32 @@ def render(r: Results) -> str:
         *failover_section(r),
     ]
     return "\n".join(out)
+
+
+def timing_cost_lines(r: Results) -> list[str]:
+    """Section 2's paragraph on learned timing's share of a request (issue 15: at most
+    +20 µs), at the request rates section 1 measured."""
+    cell = {(c["instances"], c["nodes"]): c for c in r.cycles}
+    flush = SETTINGS.timing_flush_ms
+    parts = []
+    for n in SIZES:
+        merge = r.scripts[n]["merge_timing"]
+        per = ", ".join(
+            f"{timing_us_per_request(merge, k, cell[(n, k)]['rps'], flush):.2f} µs with {k}"
+            for k in NODE_COUNTS
+        )
+        parts.append(f"at {n:,} instances one merge takes {merge:.0f} µs, so {per} nodes")
+    return [
+        "Learned timing makes no call per request: each node merges its samples in one",
+        f"`merge_timing` call every `timing_flush_ms` ({flush:,} ms), whatever its traffic.",
+        f"Merging {TIMING_SAMPLES} samples (one per instance, up to {TIMING_SAMPLES}) and "
+        "reading the pool's records back,",
+        "costs the server a merge's µs × nodes ÷ (requests/s × the interval) per request.",
+        "At the request rates section 1 measured (one client process driving every node; a",
+        "fleet serving fewer requests pays more per request, one serving more pays less): "
+        + "; ".join(parts)
+        + ".",
+    ]
 
 
 def failover_section(r: Results) -> list[str]:
