@@ -43,11 +43,13 @@ local function hex_tables()
 end
 
 local function from_hex(text)
-  if type(text) ~= 'string' or #text % 2 ~= 0 or string.find(text, '[^0-9a-f]') then
-    return nil
-  end
+  if type(text) ~= 'string' or #text % 2 ~= 0 then return nil end
   if not HEX_BYTE then hex_tables() end
-  local ok, value = pcall(cmsgpack.unpack, (string.gsub(text, '..', HEX_BYTE)))
+  -- A pair that is not two lowercase hex digits has no entry and stays two characters,
+  -- so the length tells whether every pair was one.
+  local bytes = string.gsub(text, '..', HEX_BYTE)
+  if #bytes * 2 ~= #text then return nil end
+  local ok, value = pcall(cmsgpack.unpack, bytes)
   if ok then return value end
   return nil
 end

@@ -250,6 +250,35 @@ async def test_merge_script_equals_the_python_merge(make_coordinator: MakeCoordi
         await c._call("merge_timing", [HALF_LIFE, "4", 1000, "", "i0", "00"], (key,))
 
 
+@pytest.mark.parametrize("backend", ["real"], indirect=True)  # fakeredis has no cmsgpack
+async def test_merge_script_refuses_bad_hex_and_restarts_a_corrupt_record(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Hex is decoded through a lookup table: a pair that is not two lowercase hex
+    digits must still be refused in a batch, and a stored record that is not valid hex
+    must count as no record (the batch starts it again), exactly as the Python merge."""
+    c = await make_coordinator("n1")
+    await c.register_instance(spec(0))
+    key = c.keys.timing()
+    good = pack(prefill_record(0.8, 100.0, 5))
+    assert good.startswith("9e01")  # a 14-item array, epoch 1 as one byte
+    # "G1" is no hex pair, but its two characters are two msgpack integers: left in
+    # place they shift the array into one that looks like a record.
+    shifted = "9eG1" + good[4:]
+    for bad in (good.upper(), "zz" + good[2:], good[:-1], "0g" + good[2:], shifted):
+        with pytest.raises(Exception, match="not a timing record"):
+            await c._call("merge_timing", [HALF_LIFE, repr(FLOOR), 60_000, "", "i0", bad], (key,))
+    assert not await c.redis.exists(key)  # a refused call writes nothing
+    for corrupt in (good.upper(), "x" * len(good), good[:-2], shifted):
+        await c.redis.hset(key, "i0", corrupt)
+        reply = await c._call(
+            "merge_timing", [HALF_LIFE, repr(FLOOR), 60_000, "", "i0", good], (key,)
+        )
+        flat = list(reply[1])
+        expected = merge_record(None, unpack(good), int(reply[0]), HALF_LIFE, FLOOR)
+        assert unpack(flat[1]) == pytest.approx(expected, rel=1e-12)
+
+
 @pytest.mark.parametrize("backend", ["real"], indirect=True)
 async def test_nodes_share_learned_timing_and_a_new_node_starts_warm(
     make_coordinator: MakeCoordinator,
