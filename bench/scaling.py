@@ -386,11 +386,14 @@ async def _per_script(url: str, pool: str, batch: int) -> dict[str, float]:
     return out
 
 
-def timing_us_per_request(merge_us: float, nodes: int, rps: float, flush_ms: int) -> float:
-    """Server µs per request that learned timing adds: each node merges once every
-    `flush_ms`, whatever its own traffic, so a fleet of `nodes` serving `rps` requests/s
-    pays nodes / (rps x flush interval) merges per request."""
-    return merge_us * nodes / (rps * flush_ms / 1000)
+def timing_us_per_request(merge_us: float, nodes: int, rps: float) -> float:
+    """Server µs per request that learned timing adds: a node merges once every
+    Coordinator.timing_flush_interval_ms (timing_flush_ms, stretched beyond
+    timing_flush_nodes live nodes), whatever its own traffic, so a fleet of `nodes`
+    serving `rps` requests/s pays min(nodes, timing_flush_nodes) merges per
+    timing_flush_ms."""
+    merges_per_s = min(nodes, SETTINGS.timing_flush_nodes) / (SETTINGS.timing_flush_ms / 1000)
+    return merge_us * merges_per_s / rps
 
 
 def pipelined_cycles(url: str, pool: str, requests: int) -> dict[str, float]:
@@ -1363,21 +1366,23 @@ def timing_cost_lines(r: Results) -> list[str]:
     """Section 2's paragraph on learned timing's share of a request (issue 15: at most
     +20 µs), at the request rates section 1 measured."""
     cell = {(c["instances"], c["nodes"]): c for c in r.cycles}
-    flush = SETTINGS.timing_flush_ms
+    flush, bound = SETTINGS.timing_flush_ms, SETTINGS.timing_flush_nodes
     parts = []
     for n in SIZES:
         merge = r.scripts[n]["merge_timing"]
         per = ", ".join(
-            f"{timing_us_per_request(merge, k, cell[(n, k)]['rps'], flush):.2f} µs with {k}"
+            f"{timing_us_per_request(merge, k, cell[(n, k)]['rps']):.2f} µs with {k}"
             for k in NODE_COUNTS
         )
         parts.append(f"at {n:,} instances one merge takes {merge:.0f} µs, so {per} nodes")
     return [
         "Learned timing makes no call per request: each node merges its samples in one",
-        f"`merge_timing` call every `timing_flush_ms` ({flush:,} ms), whatever its traffic.",
-        f"Merging {TIMING_SAMPLES} samples (one per instance, up to {TIMING_SAMPLES}) and "
-        "reading the pool's records back,",
-        "costs the server a merge's µs × nodes ÷ (requests/s × the interval) per request.",
+        f"`merge_timing` call every `timing_flush_ms` ({flush:,} ms), whatever its traffic;",
+        f"in a pool of more than `timing_flush_nodes` ({bound}) live nodes each merges",
+        f"proportionally less often, so the pool takes at most {bound} merges per interval.",
+        f"A merge here folds {TIMING_SAMPLES} samples in (one per instance, up to "
+        f"{TIMING_SAMPLES}) and reads the pool's records back;",
+        f"per request it costs a merge's µs × min(nodes, {bound}) ÷ (requests/s × the interval).",
         "At the request rates section 1 measured (one client process driving every node; a",
         "fleet serving fewer requests pays more per request, one serving more pays less): "
         + "; ".join(parts)

@@ -163,6 +163,7 @@ class Coordinator:
         self._node_rids = self.keys.node_rids(node_id).encode()
         self._cache = self._new_cache()
         self.observations = Observations()  # timing samples not yet merged into Redis
+        self._live_nodes = 1  # nodes with a lease, as the last merge counted them
         # Nodes start their rotation at different places (stable per node id), so
         # simultaneous first picks of an idle pool rarely collide.
         self._rr = RoundRobin(zlib.crc32(node_id.encode()))
@@ -1329,6 +1330,7 @@ class Coordinator:
             for name, batch in step:
                 args += [name, pack(batch)]
             reply = await self._call("merge_timing", args, (self.keys.timing(),))
+            self._live_nodes = max(1, int(reply[3]))
             flat = list(reply[1])
             for k in range(0, len(flat), 2):
                 record = unpack(flat[k + 1])
@@ -1342,9 +1344,17 @@ class Coordinator:
                 break
         self._cache.apply_learned(records)
 
+    def timing_flush_interval_ms(self) -> float:
+        """How long the node waits between merges: timing_flush_ms while the pool has at
+        most timing_flush_nodes live nodes, proportionally longer beyond, so the pool
+        takes at most timing_flush_nodes merges per timing_flush_ms however many nodes
+        it has (each merge then carries that much more of the node's traffic)."""
+        s = self.settings
+        return s.timing_flush_ms * max(1.0, self._live_nodes / s.timing_flush_nodes)
+
     async def _timing_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.timing_flush_ms / 1000)
+            await asyncio.sleep(self.timing_flush_interval_ms() / 1000)
             try:
                 await self.sync_timing()
             except CoordinationUnavailableError:

@@ -128,6 +128,7 @@ class Settings:
     prefix_hot_ms: int = 3_000  # a prefix this node routed this recently is hot; 0 = none
     # Learned timing (coordinator/timing.py; README "Prediction sources").
     timing_flush_ms: int = 2_000  # how often a node merges its samples and reads the pool's
+    timing_flush_nodes: int = 8  # beyond this many live nodes each merges less often
     timing_min_samples: int = 8  # learned timing replaces configured from this many samples
     timing_half_life_ms: int = 10_000  # learned statistics lose half their weight this often
     timing_pinned: bool = False  # configured timing always wins over learned
@@ -145,6 +146,7 @@ class Settings:
             "recovery_interval_ms",
             "live_refresh_ms",
             "timing_flush_ms",
+            "timing_flush_nodes",
             "timing_min_samples",
             "timing_half_life_ms",
         ):

@@ -156,6 +156,7 @@ class SimConfig:
     registered_timing: str = "exact"  # exact | none | shared (REGISTERED_TIMING)
     learn: bool = False  # nodes learn timing from traffic (coordinator/timing.py)
     timing_flush_ms: int = Settings().timing_flush_ms  # how often a node merges samples
+    timing_flush_nodes: int = Settings().timing_flush_nodes  # beyond: each merges less often
     # A node's view of the shared state (NodeView): the whole state is read again
     # when older than this (0: before every decision), and hints every
     # live_refresh_ms (0: before every decision), as in Coordinator._ensure_view.
@@ -377,6 +378,8 @@ class Simulation:
         for k, spec in enumerate(self.specs):
             self.state.set_timing(spec.id, spec, self._sources[k])
         self.learning = c.learn and strategy in SHARED
+        # Coordinator.timing_flush_interval_ms: every node holds a lease in the sim.
+        self._flush_interval_ms = c.timing_flush_ms * max(1.0, c.nodes / c.timing_flush_nodes)
         self.alone = [False] * len(requests)  # reserved with no other prefill pending
         self.batch_of = [1] * len(requests)
         # The prefill ms/token and its source the chosen instance was predicted with.
@@ -522,7 +525,7 @@ class Simulation:
         n = r % self.config.nodes
         node = self.nodes[n]
         now = int(req.arrival_ms)
-        if self.learning and now - node.flushed_ms >= self.config.timing_flush_ms:
+        if self.learning and now - node.flushed_ms >= self._flush_interval_ms:
             self._flush(node, now)
         expected = self._expected_output(node, req)
         prefix_aware = self.strategy in PREFIX_STRATEGIES

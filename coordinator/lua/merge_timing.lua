@@ -10,9 +10,10 @@
 -- ARGV[3] = the hash expires when no node merged into it for this many ms (integer >= 1)
 -- ARGV[4] = HSCAN cursor of the page of the hash to return ('' = none; '0' = the first)
 -- ARGV[5], ARGV[6], ... = field, hex msgpack batch (same layout; at_ms ignored), pairs
--- returns {now_ms, {field, record, ...}, next_cursor}: the records this call merged,
---   then one page (about 500 fields) of the hash from the cursor; next_cursor '0' when
---   the hash was read to its end. Callers send at most 500 batches, so every call is
+-- returns {now_ms, {field, record, ...}, next_cursor, live_nodes}: the records this call
+--   merged, then one page (about 500 fields) of the hash from the cursor; next_cursor
+--   '0' when the hash was read to its end; live_nodes, the nodes holding a lease now
+--   (a node merges less often in a big fleet, so the pool's merge rate stays bounded). Callers send at most 500 batches, so every call is
 --   bounded whatever the pool size, and walk the cursor over several calls.
 local T = KEYS[17]
 local half = int_arg(ARGV[1])
@@ -118,4 +119,4 @@ if cursor ~= '' then
   next_cursor = page[1]
   for _, v in ipairs(page[2]) do merged[#merged + 1] = v end
 end
-return {now, merged, next_cursor}
+return {now, merged, next_cursor, redis.call('ZCOUNT', K_NODES, now, '+inf')}

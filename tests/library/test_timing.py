@@ -353,3 +353,25 @@ async def test_only_a_registered_model_gets_its_own_output_length(
         await c._call(
             "merge_timing", [HALF_LIFE, "4", 1000, "", "\x01bad", batch], (c.keys.timing(),)
         )
+
+
+@pytest.mark.parametrize("backend", ["real"], indirect=True)  # fakeredis has no cmsgpack
+async def test_a_big_fleet_merges_less_often(make_coordinator: MakeCoordinator) -> None:
+    """Each merge counts the nodes holding a lease; beyond timing_flush_nodes a node
+    stretches its interval in proportion, so the pool's merges per timing_flush_ms stay
+    at timing_flush_nodes however many nodes it has."""
+    made = [
+        await make_coordinator(f"n{k}", timing_flush_ms=1_000, timing_flush_nodes=2)
+        for k in range(5)
+    ]
+    await made[0].register_instance(spec(0))
+    c = made[0]
+    assert c.timing_flush_interval_ms() == 1_000  # no merge yet: only itself known
+    for node in made[:2]:
+        await node.renew_lease()
+    await c.sync_timing()
+    assert c.timing_flush_interval_ms() == 1_000  # 2 live nodes: at the bound
+    for node in made[2:]:
+        await node.renew_lease()
+    await c.sync_timing()
+    assert c.timing_flush_interval_ms() == 2_500  # 5 live nodes: 5 / 2 of the interval
