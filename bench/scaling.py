@@ -43,6 +43,7 @@ from coordinator.coordinator import (  # noqa: E402
 from coordinator.keys import COLUMNS, PoolKeys  # noqa: E402
 from coordinator.packed import STATE_BYTES  # noqa: E402
 from coordinator.scripts import SCRIPT_NAMES, script_source  # noqa: E402
+from coordinator.timing import flush_interval_ms  # noqa: E402
 from local_fleet.embedded import EmbeddedRedis  # noqa: E402
 from local_fleet.pools import delete_pool  # noqa: E402
 
@@ -389,11 +390,13 @@ async def _per_script(url: str, pool: str, batch: int) -> dict[str, float]:
 def timing_us_per_request(merge_us: float, nodes: int, rps: float) -> float:
     """Server µs per request that learned timing adds: a node merges once every
     Coordinator.timing_flush_interval_ms (timing_flush_ms, stretched beyond
-    timing_flush_nodes live nodes), whatever its own traffic, so a fleet of `nodes`
-    serving `rps` requests/s pays min(nodes, timing_flush_nodes) merges per
-    timing_flush_ms."""
-    merges_per_s = min(nodes, SETTINGS.timing_flush_nodes) / (SETTINGS.timing_flush_ms / 1000)
-    return merge_us * merges_per_s / rps
+    timing_flush_nodes live nodes, at most to the half-life), whatever its own traffic:
+    a fleet of `nodes` serving `rps` requests/s pays nodes / interval merges a second."""
+    s = SETTINGS
+    interval = flush_interval_ms(
+        s.timing_flush_ms, s.timing_flush_nodes, s.timing_half_life_ms, nodes
+    )
+    return merge_us * nodes / (interval / 1000) / rps
 
 
 def pipelined_cycles(url: str, pool: str, requests: int) -> dict[str, float]:
@@ -1379,10 +1382,11 @@ def timing_cost_lines(r: Results) -> list[str]:
         "Learned timing makes no call per request: each node merges its samples in one",
         f"`merge_timing` call every `timing_flush_ms` ({flush:,} ms), whatever its traffic;",
         f"in a pool of more than `timing_flush_nodes` ({bound}) live nodes each merges",
-        f"proportionally less often, so the pool takes at most {bound} merges per interval.",
+        f"proportionally less often (the pool takes at most {bound} merges per interval), but",
+        f"at least once per `timing_half_life_ms` ({SETTINGS.timing_half_life_ms:,} ms).",
         f"A merge here folds {TIMING_SAMPLES} samples in (one per instance, up to "
         f"{TIMING_SAMPLES}) and reads the pool's records back;",
-        f"per request it costs a merge's µs × min(nodes, {bound}) ÷ (requests/s × the interval).",
+        "per request it costs a merge's µs × nodes ÷ (requests/s × the interval).",
         "At the request rates section 1 measured (one client process driving every node; a",
         "fleet serving fewer requests pays more per request, one serving more pays less): "
         + "; ".join(parts)

@@ -65,6 +65,7 @@ from coordinator.timing import (
     Observations,
     TimingPolicy,
     expected_output,
+    flush_interval_ms,
     pack,
     unpack,
 )
@@ -1346,11 +1347,14 @@ class Coordinator:
 
     def timing_flush_interval_ms(self) -> float:
         """How long the node waits between merges: timing_flush_ms while the pool has at
-        most timing_flush_nodes live nodes, proportionally longer beyond, so the pool
-        takes at most timing_flush_nodes merges per timing_flush_ms however many nodes
-        it has (each merge then carries that much more of the node's traffic)."""
+        most timing_flush_nodes live nodes, proportionally longer beyond (the pool takes
+        at most timing_flush_nodes merges per timing_flush_ms), but never longer than
+        the statistics' half-life: a merge stamps its samples with the time it runs, so
+        older samples would pass for fresh ones and slow the following of a drift."""
         s = self.settings
-        return s.timing_flush_ms * max(1.0, self._live_nodes / s.timing_flush_nodes)
+        return flush_interval_ms(
+            s.timing_flush_ms, s.timing_flush_nodes, s.timing_half_life_ms, self._live_nodes
+        )
 
     async def _timing_loop(self) -> None:
         while True:

@@ -102,6 +102,16 @@ def merge_record(
     return out
 
 
+def flush_interval_ms(flush_ms: int, flush_nodes: int, half_life_ms: int, live_nodes: int) -> float:
+    """How long a node waits between merges (Settings.timing_flush_ms and
+    timing_flush_nodes): `flush_ms` while the pool has at most `flush_nodes` live nodes,
+    proportionally longer beyond, so the pool takes at most `flush_nodes` merges per
+    `flush_ms`; but never longer than the half-life (nor below `flush_ms`), since a
+    merge stamps its samples with the time it runs and older ones would pass for fresh."""
+    stretched = flush_ms * max(1.0, live_nodes / flush_nodes)
+    return max(float(flush_ms), min(stretched, float(half_life_ms)))
+
+
 def pack(record: list[float]) -> str:
     """A record as the hex of its msgpack (what the script stores and returns)."""
     data = msgpack.packb([float(v) if k >= 2 else int(v) for k, v in enumerate(record)])

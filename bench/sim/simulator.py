@@ -86,6 +86,7 @@ from coordinator.timing import (
     Observations,
     TimingPolicy,
     TimingSource,
+    flush_interval_ms,
     merge_record,
     resolve_pool,
 )
@@ -379,7 +380,9 @@ class Simulation:
             self.state.set_timing(spec.id, spec, self._sources[k])
         self.learning = c.learn and strategy in SHARED
         # Coordinator.timing_flush_interval_ms: every node holds a lease in the sim.
-        self._flush_interval_ms = c.timing_flush_ms * max(1.0, c.nodes / c.timing_flush_nodes)
+        self._flush_interval_ms = flush_interval_ms(
+            c.timing_flush_ms, c.timing_flush_nodes, Settings().timing_half_life_ms, c.nodes
+        )
         self.alone = [False] * len(requests)  # reserved with no other prefill pending
         self.batch_of = [1] * len(requests)
         # The prefill ms/token and its source the chosen instance was predicted with.

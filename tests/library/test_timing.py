@@ -18,6 +18,7 @@ from coordinator.timing import (
     empty_record,
     expected_output,
     fit,
+    flush_interval_ms,
     merge_record,
     own_ratio,
     pack,
@@ -375,3 +376,11 @@ async def test_a_big_fleet_merges_less_often(make_coordinator: MakeCoordinator) 
         await node.renew_lease()
     await c.sync_timing()
     assert c.timing_flush_interval_ms() == 2_500  # 5 live nodes: 5 / 2 of the interval
+
+
+def test_the_flush_interval_stretches_with_the_fleet_up_to_the_half_life() -> None:
+    assert flush_interval_ms(2_000, 8, 10_000, 1) == 2_000
+    assert flush_interval_ms(2_000, 8, 10_000, 8) == 2_000
+    assert flush_interval_ms(2_000, 8, 10_000, 16) == 4_000
+    assert flush_interval_ms(2_000, 8, 10_000, 64) == 10_000  # capped: samples stay fresh
+    assert flush_interval_ms(20_000, 8, 10_000, 64) == 20_000  # never below the setting
