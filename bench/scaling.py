@@ -38,6 +38,7 @@ from coordinator.coordinator import (  # noqa: E402
     REAP_STEP,
     SPEC_READ_STEP,
     SWEEP_STEP,
+    TIMING_STEP,
     LocalReservation,
 )
 from coordinator.keys import COLUMNS, PoolKeys  # noqa: E402
@@ -520,11 +521,17 @@ class Scale:
 
 
 # Items one call of a stepped script handles, and where the step is set.
-STEPS = {"reap_node": REAP_STEP, "sweep": SWEEP_STEP, "read_specs": SPEC_READ_STEP}
+STEPS = {
+    "reap_node": REAP_STEP,
+    "sweep": SWEEP_STEP,
+    "read_specs": SPEC_READ_STEP,
+    "merge_timing": TIMING_STEP,
+}
 STEP_NAMES = {
     "reap_node": "coordinator.coordinator.REAP_STEP",
     "sweep": "coordinator.coordinator.SWEEP_STEP",
     "read_specs": "coordinator.coordinator.SPEC_READ_STEP",
+    "merge_timing": "coordinator.coordinator.TIMING_STEP",
 }
 SLOWLOG_US = 250  # logged while an operation runs: every call above 0.25 ms
 
@@ -776,6 +783,21 @@ async def _stalls(url: str, scale: Scale) -> list[dict[str, Any]]:
     restored = int(admin.scard(keys.node_rids("asserter")))
     assert restored == scale.reassert, restored
     await asserter.close()
+    # (g) A busy node's learned-timing flush: samples of every instance since its last.
+    learner = node("learner")
+    await learner.refresh()
+    for i in range(scale.instances):
+        iid = f"inst-{i:05d}"
+        learner.observations.prefill(iid, 1, 512, 60.0, None)
+        learner.observations.decode(iid, 1, 4, 20.0, None)
+    await op(
+        "g. a busy node's timing flush",
+        f"sync_timing() with samples of all {scale.instances:,} instances: merge_timing "
+        f"merging {TIMING_STEP} instances' samples per call, then reading the pool's "
+        "records back a page per call",
+        learner.sync_timing,
+    )
+    await learner.close()
     # (f) A small pool after many instance ids came and went.
     small = RawPool(url, "churn")
     small.register(instance_spec(i) for i in range(10))

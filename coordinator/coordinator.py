@@ -87,7 +87,10 @@ NOSCRIPT_RETRIES = 3  # extra loads when scripts are flushed again mid-call
 SPEC_READ_STEP = 500  # instances per read_specs call: bounded work per script
 SWEEP_STEP = 500  # void records one sweep call may delete (about 3 us each)
 TIMING_MAX_AGE_MS = 86_400_000  # a pool's learned timing expires after a day unmerged
-TIMING_STEP = 500  # timing batches merged, and records read, per merge_timing call
+# Timing batches merged per merge_timing call: about 25 µs of Redis time each, so a
+# call stays near 2 ms (a busy node on a big pool can hold a batch for every instance).
+TIMING_STEP = 64
+TIMING_PAGE = 500  # records one merge_timing call reads back (lua/merge_timing.lua)
 REAP_STEP = 50  # reservations one reap_node call may release (about 40 us each at 10k instances)
 
 
@@ -1314,8 +1317,8 @@ class Coordinator:
         """Merge this node's samples into the pool's and take the pool's.
 
         In bounded steps: each call merges at most TIMING_STEP batches and returns one
-        page of the pool's records, so no call grows with the pool (issue 12's no-stall
-        rule); a pool of up to TIMING_STEP instances takes one call.
+        page (about TIMING_PAGE) of the pool's records, so no call grows with the pool
+        or with the node's traffic (issue 12's no-stall rule).
         """
         batches = list(self.observations.drain().items())
         records: dict[str, list[float]] = {}

@@ -13,8 +13,9 @@
 -- returns {now_ms, {field, record, ...}, next_cursor, live_nodes}: the records this call
 --   merged, then one page (about 500 fields) of the hash from the cursor; next_cursor
 --   '0' when the hash was read to its end; live_nodes, the nodes holding a lease now
---   (a node merges less often in a big fleet, so the pool's merge rate stays bounded). Callers send at most 500 batches, so every call is
---   bounded whatever the pool size, and walk the cursor over several calls.
+--   (a node merges less often in a big fleet, so the pool's merge rate stays bounded).
+--   Callers send at most 64 batches (coordinator.coordinator.TIMING_STEP), so every
+--   call is bounded whatever the pool size, and walk the cursor over several calls.
 local T = KEYS[17]
 local half = int_arg(ARGV[1])
 local floor_w = tonumber(ARGV[2])

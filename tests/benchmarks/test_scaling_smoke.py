@@ -3,8 +3,8 @@
 No timing is asserted: the durations the benchmark reports depend on the machine.
 What must hold anywhere is the shape of the work: reaping and sweeping take several
 calls of at most one step (coordinator.coordinator.REAP_STEP, SWEEP_STEP) each, a re-assert
-restores one reservation per call, and a new node reads a big pool's specs in steps
-(SPEC_READ_STEP).
+restores one reservation per call, a new node reads a big pool's specs in steps
+(SPEC_READ_STEP), and a timing flush merges TIMING_STEP instances' samples per call.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from bench.scaling import Scale, _stalls
-from coordinator.coordinator import REAP_STEP, SPEC_READ_STEP, SWEEP_STEP
+from coordinator.coordinator import REAP_STEP, SPEC_READ_STEP, SWEEP_STEP, TIMING_STEP
 from local_fleet.embedded import EmbeddedRedis
 from tests.helpers import private_server
 
@@ -41,7 +41,7 @@ async def test_stall_scenario_runs_long_work_in_bounded_steps(server: EmbeddedRe
         releases=20,
     )
     ops = {x["op"].split(".")[0]: x for x in await _stalls(server.url, scale)}
-    assert set(ops) == {"a", "b", "c", "d", "e", "f0", "f"}
+    assert set(ops) == {"a", "b", "c", "d", "e", "f0", "f", "g"}
     # A new node reads every spec in steps of at most SPEC_READ_STEP instances.
     assert ops["a"]["steps"]["read_specs"] >= math.ceil(scale.instances / SPEC_READ_STEP)
     # The dead node's reservations go in steps of REAP_STEP (the scenario checks all went).
@@ -49,6 +49,8 @@ async def test_stall_scenario_runs_long_work_in_bounded_steps(server: EmbeddedRe
     # Unregister voids at once and sweeps one step; the lease loop sweeps the rest.
     assert ops["d"]["steps"]["unregister"] == 1
     assert ops["d"]["steps"]["sweep"] >= math.ceil(scale.one_instance / SWEEP_STEP) - 1
+    # A timing flush with samples of every instance merges TIMING_STEP of them per call.
+    assert ops["g"]["steps"]["merge_timing"] >= math.ceil(scale.instances / TIMING_STEP)
     # Re-assert: one restore per reservation made while degraded.
     assert ops["e"]["steps"]["restore"] == scale.reassert
     # After churn the small pool is read in one step each, as before it.
