@@ -35,6 +35,7 @@ from bench.docs import add_write_docs  # noqa: E402
 from coordinator import Coordinator, InstanceSpec, Settings  # noqa: E402
 from coordinator.connection import connect_redis  # noqa: E402
 from coordinator.coordinator import (  # noqa: E402
+    CARRY_STEP,
     REAP_STEP,
     SPEC_READ_STEP,
     SWEEP_STEP,
@@ -1251,7 +1252,9 @@ def render(r: Results) -> str:
         "- **One call per request.** The proxy does not wait for a request's first-token",
         "  mark or release (`first_token_soon`, `release_soon`): the node holds them for",
         "  its next `reserve`, which applies them first in the same call, or sends all it",
-        "  holds in one `carry` call after `carry_ms` (20 ms). A busy node makes one script",
+        "  holds in one `carry` call after `carry_ms` (20 ms); at most "
+        f"{CARRY_STEP} a call (a burst of",
+        "  completions goes in several bounded calls). A busy node makes one script",
         "  call per request instead of three; a node idle for longer than `carry_ms`",
         "  makes two (`reserve`, then `carry`).",
         "- **Specs read on change.** Registration, restart and removal bump the pool's",

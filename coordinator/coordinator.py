@@ -91,6 +91,9 @@ TIMING_MAX_AGE_MS = 86_400_000  # a pool's learned timing expires after a day un
 # call stays near 2 ms (a busy node on a big pool can hold a batch for every instance).
 TIMING_STEP = 64
 TIMING_PAGE = 500  # records one merge_timing call reads back (lua/merge_timing.lua)
+# Held marks and releases one call carries: about 20 µs of Redis time each, so a burst
+# of completions (an engine that dropped its streams) goes in bounded calls.
+CARRY_STEP = 32
 REAP_STEP = 50  # reservations one reap_node call may release (about 40 us each at 10k instances)
 
 
@@ -658,7 +661,9 @@ class Coordinator:
                     max_inflight,
                     max_pending,
                 ]
-            carried, self._carry = self._carry, []
+            carried = self._take_carried(rid)
+            if self._carry:
+                self._schedule_carry()  # the rest go in carry calls of their own
             args.append(len(carried))
             for op, held_rid, _ in carried:
                 args += [op, held_rid]
@@ -891,7 +896,7 @@ class Coordinator:
     async def flush_carried(self) -> None:
         """Send every held mark and release now, in one call."""
         while self._carry:
-            held, self._carry = self._carry, []
+            held = self._take_carried()
             args: list[Any] = [len(held)]
             for op, rid, _ in held:
                 args += [op, rid]
@@ -907,6 +912,29 @@ class Coordinator:
                 log.exception("sending %d held marks and releases failed", len(held))
                 continue
             self._apply_carried(reply)
+
+    def _take_carried(
+        self, rid: str | None = None
+    ) -> list[tuple[str, str, LocalReservation | None]]:
+        """Up to CARRY_STEP held transitions for one call, oldest first, always with
+        those of `rid` (a reserve's own rid: a retry under it must carry the release
+        that ends the first attempt). What stays held keeps its order; each rid's
+        transitions are taken as a prefix of them, so none overtakes an earlier one."""
+        if len(self._carry) <= CARRY_STEP:
+            taken, self._carry = self._carry, []
+            return taken
+        room = CARRY_STEP - sum(1 for _, held, _ in self._carry if held == rid)
+        taken, kept = [], []
+        for item in self._carry:
+            if item[1] == rid:
+                taken.append(item)
+            elif room > 0:
+                taken.append(item)
+                room -= 1
+            else:
+                kept.append(item)
+        self._carry = kept
+        return taken
 
     def _apply_carried(self, replies: Sequence[Any]) -> None:
         """The changes of `state` carried transitions made, into the view."""

@@ -468,10 +468,14 @@ local function transition_reply(status, patch)
   return {status, patch[1], patch[2], patch[3]}
 end
 
+-- Transitions one call may carry: nodes send at most coordinator.coordinator.CARRY_STEP
+-- (32), so a call's work stays bounded (about 20 µs each).
+local MAX_CARRIED = 64
+
 -- The number of transitions in ARGV[from ..] (ARGV[from] = m, then m pairs
 -- {'f' (first token) | 'r' (release), rid}), or nil and an error reply.
 local function carried_count(from)
-  local m = int_arg(ARGV[from], 10000)
+  local m = int_arg(ARGV[from], MAX_CARRIED)
   if m == nil or #ARGV ~= from + 2 * m then
     return nil, fail('bad_arg', 'transitions: expected m >= 0 pairs of {op, rid}')
   end

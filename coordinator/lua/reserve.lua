@@ -21,7 +21,7 @@
 --   ranked after this one (so a candidate is still taken while it is no busier than
 --   the alternatives the caller knows: a stale view costs no retry as long as its
 --   order holds). A group is checked only when the script looks at its candidate.
--- ARGV[11 + 5n] (optional) = m, then m pairs {'f' | 'r', rid}: first-token marks and
+-- ARGV[11 + 5n] (optional) = m (<= 64), then m pairs {'f' | 'r', rid}: first-token marks and
 --   releases of this node's reservations that ride along with this call (the node
 --   holds them back a few ms for its next reserve, so a request costs one call, not
 --   three). They are applied in order, whatever this call's status: after it decided

@@ -14,6 +14,8 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from coordinator import Coordinator
+from coordinator.coordinator import CARRY_STEP
+from coordinator.errors import InvalidArgumentError
 from tests.conftest import MakeCoordinator
 from tests.helpers import (
     assert_counters_match_reservations,
@@ -195,4 +197,72 @@ async def test_a_retry_under_the_same_rid_is_a_new_reservation(
     again = await c.reserve(100, 10, rid="retried", exclude=[first.instance_id])
     assert again.instance_id != first.instance_id
     assert (await live_reservations(c))["retried"]["instance"] == again.instance_id
+    await assert_counters_match_reservations(c)
+
+
+async def test_a_burst_of_held_transitions_goes_in_bounded_calls(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Many completions at once (an engine dropped its streams): no call carries more
+    than CARRY_STEP transitions, the rest follow in carry calls, none is lost, and each
+    reservation's mark still precedes its release."""
+    c = await node_with_pool(make_coordinator)
+    held = [await c.reserve(100, 10) for _ in range(3 * CARRY_STEP)]
+    sizes: list[tuple[str, int]] = []
+
+    async def sized(name: str, real: Any, *args: Any) -> Any:
+        if name in ("reserve", "carry"):
+            script_args = args[1]
+            count_at = 0 if name == "carry" else 10 + 5 * int(script_args[9])
+            sizes.append((name, int(script_args[count_at])))
+        return await real(*args)
+
+    intercept(c, sized)
+    for res in held:
+        c.first_token_soon(res.rid)
+    for res in held:
+        c.release_soon(res.rid)
+    last = await c.reserve(100, 10)
+    await c.flush_carried()
+    assert sizes[0] == ("reserve", CARRY_STEP)
+    assert all(n <= CARRY_STEP for _, n in sizes)
+    assert sum(n for _, n in sizes) == 2 * len(held)
+    assert set(await live_reservations(c)) == {last.rid}
+    await assert_counters_match_reservations(c)
+
+
+async def test_a_retry_carries_its_own_release_past_a_full_step(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Behind more than CARRY_STEP other held transitions, the release that ends the
+    first attempt of a retried rid still rides on the retry's reserve (else it would
+    answer `dup` with the attempt it ends)."""
+    c = await node_with_pool(make_coordinator)
+    others = [await c.reserve(100, 10) for _ in range(CARRY_STEP)]
+    first = await c.reserve(100, 10, rid="retried")
+    for res in others:
+        c.first_token_soon(res.rid)
+    c.release_soon(first.rid)
+    again = await c.reserve(100, 10, rid="retried", exclude=[first.instance_id])
+    assert again.instance_id != first.instance_id
+    assert (await live_reservations(c))["retried"]["instance"] == again.instance_id
+    await c.flush_carried()
+    phases = {rid: r["phase"] for rid, r in (await live_reservations(c)).items()}
+    assert phases == {**{r.rid: "decode" for r in others}, "retried": "prefill"}
+    await assert_counters_match_reservations(c)
+
+
+async def test_a_call_carrying_more_than_the_script_allows_is_refused(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """The scripts bound a call's work themselves: 65 carried transitions are refused,
+    whoever sends them, and nothing is written."""
+    c = await node_with_pool(make_coordinator)
+    res = await c.reserve(100, 10)
+    args: list[Any] = [65]
+    for _ in range(65):
+        args += ["f", res.rid]
+    with pytest.raises(InvalidArgumentError, match="transitions"):
+        await c._call("carry", args, (c._node_rids,))
+    assert (await live_reservations(c))[res.rid]["phase"] == "prefill"
     await assert_counters_match_reservations(c)
