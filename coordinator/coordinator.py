@@ -88,9 +88,9 @@ SPEC_READ_STEP = 500  # instances per read_specs call: bounded work per script
 SWEEP_STEP = 500  # void records one sweep call may delete (about 3 us each)
 TIMING_MAX_AGE_MS = 86_400_000  # a pool's learned timing expires after a day unmerged
 # Timing batches merged per merge_timing call: about 25 µs of Redis time each, so a
-# call stays near 2 ms (a busy node on a big pool can hold a batch for every instance).
-TIMING_STEP = 64
-TIMING_PAGE = 500  # records one merge_timing call reads back (lua/merge_timing.lua)
+# call stays near 1 ms (a busy node on a big pool can hold a batch for every instance).
+TIMING_STEP = 32
+TIMING_PAGE = 256  # records one merge_timing call reads back (lua/merge_timing.lua)
 # Held marks and releases one call carries: about 20 µs of Redis time each, so a burst
 # of completions (an engine that dropped its streams) goes in bounded calls.
 CARRY_STEP = 32

@@ -11,10 +11,10 @@
 -- ARGV[4] = HSCAN cursor of the page of the hash to return ('' = none; '0' = the first)
 -- ARGV[5], ARGV[6], ... = field, hex msgpack batch (same layout; at_ms ignored), pairs
 -- returns {now_ms, {field, record, ...}, next_cursor, live_nodes}: the records this call
---   merged, then one page (about 500 fields) of the hash from the cursor; next_cursor
+--   merged, then one page (about 256 fields) of the hash from the cursor; next_cursor
 --   '0' when the hash was read to its end; live_nodes, the nodes holding a lease now
 --   (a node merges less often in a big fleet, so the pool's merge rate stays bounded).
---   Callers send at most 64 batches (coordinator.coordinator.TIMING_STEP), so every
+--   Callers send at most 32 batches (coordinator.coordinator.TIMING_STEP), so every
 --   call is bounded whatever the pool size, and walk the cursor over several calls.
 local T = KEYS[17]
 local half = int_arg(ARGV[1])
@@ -116,7 +116,7 @@ end
 if #ARGV > 4 then redis.call('PEXPIRE', T, max_age) end
 local next_cursor = '0'
 if cursor ~= '' then
-  local page = redis.call('HSCAN', T, cursor, 'COUNT', 500)
+  local page = redis.call('HSCAN', T, cursor, 'COUNT', 256)
   next_cursor = page[1]
   for _, v in ipairs(page[2]) do merged[#merged + 1] = v end
 end
