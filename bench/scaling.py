@@ -43,6 +43,7 @@ from coordinator.coordinator import (  # noqa: E402
     LocalReservation,
 )
 from coordinator.keys import COLUMNS, PoolKeys  # noqa: E402
+from coordinator.outliers import OutlierPolicy  # noqa: E402
 from coordinator.packed import STATE_BYTES  # noqa: E402
 from coordinator.scripts import SCRIPT_NAMES, script_source  # noqa: E402
 from coordinator.timing import flush_interval_ms  # noqa: E402
@@ -799,6 +800,37 @@ async def _stalls(url: str, scale: Scale) -> list[dict[str, Any]]:
         learner.sync_timing,
     )
     await learner.close()
+    # (h) Passive health when every instance has failed once: each holds a record.
+    count_only = OutlierPolicy(consecutive_failures=1000)
+    raw.many(
+        "record_outcome",
+        (
+            (
+                [f"inst-{i:05d}", "fail", 1000, 10_000, 1000, 60_000, "50", 0, "status_503"],
+                (keys.outliers(), keys.ejected()),
+            )
+            for i in range(scale.instances)
+        ),
+    )
+    health = node("health")
+    await health.refresh(live=True)
+
+    async def read_and_eject() -> None:
+        view = await health.read_outliers()
+        # inst-00000 left in (d): it has no record.
+        assert len(view.states) == scale.instances - 1, len(view.states)
+        eject = OutlierPolicy(consecutive_failures=1)
+        for i in range(1, 4):
+            await health.record_outcome(f"inst-{i:05d}", False, eject, "status_503")
+        await health.record_outcome("inst-00004", False, count_only, "status_503")
+
+    await op(
+        "h. passive health, every instance failing",
+        f"read_outliers() of {scale.instances:,} instances' failure records (a page per "
+        "call), then three ejections weighed against the cap",
+        read_and_eject,
+    )
+    await health.close()
     # (f) A small pool after many instance ids came and went.
     small = RawPool(url, "churn")
     small.register(instance_spec(i) for i in range(10))

@@ -1261,16 +1261,29 @@ class Coordinator:
                 policy.base_ejection_ms,
                 policy.max_ejection_ms,
                 repr(float(policy.max_ejection_percent)),
-                self.settings.instance_ttl_ms,
+                self._alive_count(),
                 reason,
             ],
-            (self.keys.outliers(),),
+            (self.keys.outliers(), self.keys.ejected()),
         )
         return Outcome(str(reply[0]), int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]))
 
+    def _alive_count(self) -> int:
+        """Instances alive in this node's view: the ejection cap's denominator."""
+        now, ttl = self._cache.estimated_now_ms(), self.settings.instance_ttl_ms
+        return sum(1 for row in self._cache.rows.values() if now - row.last_seen_ms <= ttl)
+
     async def read_outliers(self) -> OutlierView:
-        """Every instance's passive-health record and the Redis time of the read."""
-        return parse_outliers(await self._call("read_outliers", [], (self.keys.outliers(),)))
+        """Every instance's passive-health record and the Redis time of the read (in
+        pages of about 256 fields, one call each: no call grows with the pool)."""
+        cursor, flat, now = "0", [], 0
+        while True:
+            reply = await self._call("read_outliers", [cursor], (self.keys.outliers(),))
+            now = int(reply[0])
+            flat += list(reply[1])
+            cursor = as_text(reply[2])
+            if cursor == "0":
+                return parse_outliers([now, flat])
 
     async def store_hints(self, instance_id: str, hints: dict[str, float]) -> int:
         """Store scraped engine hints without refreshing liveness; returns the epoch."""

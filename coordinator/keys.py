@@ -75,6 +75,11 @@ class PoolKeys:
         """Hash of passive-health state, "<id>:<field>" (see lua/record_outcome.lua)."""
         return f"{self.stem}:outliers"
 
+    def ejected(self) -> str:
+        """Zset instance id -> ejected until (Redis ms): the ejected share in one ZCOUNT
+        (see lua/record_outcome.lua)."""
+        return f"{self.stem}:ejected"
+
     def prefix_owners(self) -> str:
         """Hash block hash -> "<id>|<epoch>|<stamp>|<weight>" owners, and the counts
         "<id>#<epoch>" -> blocks held and "#calls" (see lua/record_prefix.lua)."""

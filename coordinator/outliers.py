@@ -117,7 +117,7 @@ FIELDS = {
 
 
 def parse_outliers(reply: list[Any]) -> OutlierView:
-    """Decode read_outliers.lua's {now_ms, flat hash} reply."""
+    """Decode {now_ms, flat hash}: read_outliers.lua's pages, joined."""
     now_ms, flat = int(reply[0]), reply[1]
     values: dict[str, dict[str, Any]] = {}
     for i in range(0, len(flat) - 1, 2):

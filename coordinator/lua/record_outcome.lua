@@ -16,7 +16,11 @@
 -- ARGV[6] = longest ejection in ms (integer >= ARGV[5]); also how long an instance must
 --   stay un-ejected before its next ejection starts from the first length again
 -- ARGV[7] = most instances ejected at once, in percent of the alive ones (0..100)
--- ARGV[8] = instance TTL in ms: who counts as alive (now - last_seen_ms <= ttl)
+-- KEYS[18] = {pool}:ejected  zset instance id -> ejected until (Redis ms): the ejected
+--   share is one ZCOUNT, so an ejection never scans the pool (at 10,000 instances the
+--   scan took 24 ms, and ran again on every failure once the cap was reached)
+-- ARGV[8] = alive instances as the calling node's view counts them (integer >= 0; the
+--   share's denominator, this instance included at least)
 -- ARGV[9] = reason of a failure (short text for operators, e.g. 'status_503')
 -- returns {state, consecutive_failures, ejected_until_ms, ejections, now_ms}
 --   state: 'ok' | 'counted' (below the threshold) | 'ejected' (by this call)
@@ -32,9 +36,9 @@ local window = int_arg(ARGV[4], 86400000)
 local base = int_arg(ARGV[5], 86400000)
 local longest = int_arg(ARGV[6], 86400000)
 local percent = tonumber(ARGV[7])
-local ttl = int_arg(ARGV[8], 86400000)
+local alive_seen = int_arg(ARGV[8], 1e9)
 if threshold == nil or threshold < 1 or window == nil or window < 1 or base == nil
-    or base < 1 or longest == nil or longest < base or ttl == nil then
+    or base < 1 or longest == nil or longest < base or alive_seen == nil then
   return fail('bad_arg', 'outlier policy')
 end
 if percent == nil or percent ~= percent or percent < 0 or percent > 100 then
@@ -48,6 +52,7 @@ if redis.call('HGET', O, id .. ':epoch') ~= epoch then
   redis.call('HDEL', O, id .. ':fails', id .. ':last_fail_ms', id .. ':until_ms',
     id .. ':ejections', id .. ':reason')
   redis.call('HSET', O, id .. ':epoch', epoch)
+  redis.call('ZREM', KEYS[18], id)
 end
 local until_ms, ejections, fails = field('until_ms'), field('ejections'), field('fails')
 if until_ms > now then return {'already', fails, until_ms, ejections, now} end
@@ -60,22 +65,13 @@ fails = fails + 1
 redis.call('HSET', O, id .. ':fails', fails, id .. ':last_fail_ms', string.format('%d', now),
   id .. ':reason', string.sub(ARGV[9] or '', 1, 64))
 if fails < threshold then return {'counted', fails, until_ms, ejections, now} end
--- The share cap counts this instance as alive: a node just chose it.
--- HSCAN, not HGETALL: the documented ACL (docs/security.md) allows only the former.
-local alive, ejected, cursor = 1, 0, '0'
-repeat
-  local page = redis.call('HSCAN', K_LAST_SEEN, cursor, 'COUNT', 1000)
-  cursor = page[1]
-  local seen = page[2]
-  for i = 1, #seen, 2 do
-    if seen[i] ~= id and now - tonumber(seen[i + 1]) <= ttl then
-      alive = alive + 1
-      if tonumber(redis.call('HGET', O, seen[i] .. ':until_ms') or '0') > now then
-        ejected = ejected + 1
-      end
-    end
-  end
-until cursor == '0'
+-- The share cap: ejections that ended leave the zset here. A node with no view of the
+-- pool (0) gets the registered instances as the denominator.
+redis.call('ZREMRANGEBYSCORE', KEYS[18], '-inf', string.format('(%d', now))
+local alive = alive_seen
+if alive == 0 then alive = redis.call('HLEN', K_SLOT) end
+alive = math.max(1, alive)
+local ejected = redis.call('ZCOUNT', KEYS[18], string.format('(%d', now), '+inf')
 if (ejected + 1) * 100 > alive * percent then return {'capped', fails, until_ms, ejections, now} end
 if until_ms > 0 and now - until_ms > longest then ejections = 0 end
 local duration = math.min(base * math.pow(2, math.min(ejections, 40)), longest)
@@ -83,4 +79,5 @@ ejections = ejections + 1
 until_ms = now + duration
 redis.call('HSET', O, id .. ':until_ms', string.format('%d', until_ms),
   id .. ':ejections', ejections, id .. ':fails', 0)
+redis.call('ZADD', KEYS[18], string.format('%d', until_ms), id)
 return {'ejected', fails, until_ms, ejections, now}

@@ -41,7 +41,7 @@ async def test_stall_scenario_runs_long_work_in_bounded_steps(server: EmbeddedRe
         releases=20,
     )
     ops = {x["op"].split(".")[0]: x for x in await _stalls(server.url, scale)}
-    assert set(ops) == {"a", "b", "c", "d", "e", "f0", "f", "g"}
+    assert set(ops) == {"a", "b", "c", "d", "e", "f0", "f", "g", "h"}
     # A new node reads every spec in steps of at most SPEC_READ_STEP instances.
     assert ops["a"]["steps"]["read_specs"] >= math.ceil(scale.instances / SPEC_READ_STEP)
     # The dead node's reservations go in steps of REAP_STEP (the scenario checks all went).
@@ -51,6 +51,8 @@ async def test_stall_scenario_runs_long_work_in_bounded_steps(server: EmbeddedRe
     assert ops["d"]["steps"]["sweep"] >= math.ceil(scale.one_instance / SWEEP_STEP) - 1
     # A timing flush with samples of every instance merges TIMING_STEP of them per call.
     assert ops["g"]["steps"]["merge_timing"] >= math.ceil(scale.instances / TIMING_STEP)
+    # Every instance's failure record is read a page per call.
+    assert ops["h"]["steps"]["read_outliers"] > 1
     # Re-assert: one restore per reservation made while degraded.
     assert ops["e"]["steps"]["restore"] == scale.reassert
     # After churn the small pool is read in one step each, as before it.

@@ -291,7 +291,9 @@ def extra_keys(c: Coordinator, call: Call) -> list[str]:
         return [c.keys.node_rids(node if ID_RE.match(node) else NODE)]
     if call.name in ("reserve", "release", "restore", "carry"):
         return [c.keys.node_rids(NODE)]
-    if call.name in ("record_outcome", "read_outliers"):
+    if call.name == "record_outcome":
+        return [c.keys.outliers(), c.keys.ejected()]
+    if call.name == "read_outliers":
         return [c.keys.outliers()]
     if call.name == "record_prefix":
         return [c.keys.prefix_owners(), c.keys.prefix_lru()]
