@@ -90,8 +90,7 @@ TIMING_MAX_AGE_MS = 86_400_000  # a pool's learned timing expires after a day un
 # Timing batches merged per merge_timing call: about 25 µs of Redis time each, so a
 # call stays near 1 ms (a busy node on a big pool can hold a batch for every instance).
 TIMING_STEP = 32
-TIMING_PAGE = 256  # records one merge_timing call reads back (lua/merge_timing.lua)
-# Held marks and releases one call carries: about 20 µs of Redis time each, so a burst
+# Held marks and releases one call carries: 20-50 µs of Redis time each, so a burst
 # of completions (an engine that dropped its streams) goes in bounded calls.
 CARRY_STEP = 32
 REAP_STEP = 50  # reservations one reap_node call may release (about 40 us each at 10k instances)
@@ -894,7 +893,7 @@ class Coordinator:
         self._hold("r", rid, self._release_locally(rid))
 
     async def flush_carried(self) -> None:
-        """Send every held mark and release now, in one call."""
+        """Send every held mark and release now, in calls of at most CARRY_STEP."""
         while self._carry:
             held = self._take_carried()
             args: list[Any] = [len(held)]
@@ -1358,7 +1357,7 @@ class Coordinator:
         """Merge this node's samples into the pool's and take the pool's.
 
         In bounded steps: each call merges at most TIMING_STEP batches and returns one
-        page (about TIMING_PAGE) of the pool's records, so no call grows with the pool
+        page (about 256) of the pool's records, so no call grows with the pool
         or with the node's traffic (issue 12's no-stall rule).
         """
         batches = list(self.observations.drain().items())

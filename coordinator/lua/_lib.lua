@@ -469,7 +469,7 @@ local function transition_reply(status, patch)
 end
 
 -- Transitions one call may carry: nodes send at most coordinator.coordinator.CARRY_STEP
--- (32), so a call's work stays bounded (about 20 µs each).
+-- (32), so a call's work stays bounded (20-50 µs of Redis time each).
 local MAX_CARRIED = 64
 
 -- The number of transitions in ARGV[from ..] (ARGV[from] = m, then m pairs

@@ -33,8 +33,8 @@ if #ARGV % 2 ~= 0 then return fail('bad_arg', 'batches come as field, record pai
 
 local GROUP = 6
 -- Hex digit pairs <-> bytes, as lookup tables for string.gsub: a table replacement is
--- looked up in C, where a function replacement would run a Lua call per byte (3x the
--- cost of a whole merge). Built once per call, on first use.
+-- looked up in C, where a function replacement runs a Lua call per byte (that made a
+-- merge 3x slower). Built once per call, on first use.
 local HEX_BYTE, BYTE_HEX = nil, nil
 local function hex_tables()
   HEX_BYTE, BYTE_HEX = {}, {}
