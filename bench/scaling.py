@@ -1117,19 +1117,28 @@ def reasons(r: Results) -> list[str]:
             )
         else:
             head += " (section 1):"
+        # Calls beyond the request's own reserve, its retries and carries: whole-state
+        # reads (read_state, with the spec reads they bring).
+        reads = many["calls_per_req"] - 1 - many["retries_per_req"] - many["carries_per_req"]
         out += [
             f"{head} With {top} nodes a request "
             f"made {many['calls_per_req']:.2f} script calls instead of {one['calls_per_req']:.2f}; "
             f"{many['retries_per_req']:.2f} of them were `reserve` retries (`stale`: every candidate "
             "had become busier than the node's view showed, and than the pool's mean: the "
-            "guard against herding) and "
+            "guard against herding), "
             f"{many['carries_per_req']:.2f} `carry` calls (a node of the {top} in one process "
-            "waited longer than `carry_ms` between its own reserves). "
+            "waited longer than `carry_ms` between its own reserves) and "
+            f"{max(0.0, reads):.2f} reads of the whole `state` ({human_bytes(STATE_BYTES * n)}: "
+            f"each of the {top} nodes, deciding for 1/{top} of the traffic, finds its view older "
+            "than `snapshot_max_age_ms` before most decisions; bytes out "
+            f"{human_bytes(many['bytes_per_req'])} per request against "
+            f"{human_bytes(one['bytes_per_req'])} with 1 node). "
             f"Per script call the server spent {one['cpu_us_per_req'] / one['calls_per_req']:.0f} µs "
             f"of CPU with 1 node and {many['cpu_us_per_req'] / many['calls_per_req']:.0f} µs with "
-            f"{top}: the excess per request is the retries, not the size of a reply. With "
-            f"1,024 instances the same {top} nodes retried "
-            f"{cell[(1024, top)]['retries_per_req']:.2f} times per request.",
+            f"{top}: a `reserve` whose view is many changes behind finds its first candidates "
+            "busier than their bounds and examines more of them (each a liveness read, a slot "
+            "read and a record read). The cheaper the 1-node request gets, the more these "
+            "weigh in the ratio.",
             "",
         ]
     if any(not x["met"] for x in r.targets if x["target"].startswith("CPU/request, 1 node")):
