@@ -57,6 +57,15 @@ end
 local until_ms, ejections, fails = field('until_ms'), field('ejections'), field('fails')
 if until_ms > now then return {'already', fails, until_ms, ejections, now} end
 if outcome == 'ok' then
+  if until_ms == 0 or now - until_ms > longest then
+    -- Healthy, with no ejection the next one would count from: the record goes, so
+    -- the hash holds only instances failing or recently ejected (read_outliers reads
+    -- it all, every node every second).
+    redis.call('HDEL', O, id .. ':fails', id .. ':last_fail_ms', id .. ':until_ms',
+      id .. ':ejections', id .. ':reason', id .. ':epoch')
+    redis.call('ZREM', KEYS[18], id)
+    return {'ok', 0, 0, 0, now}
+  end
   if fails ~= 0 then redis.call('HSET', O, id .. ':fails', 0) end
   return {'ok', 0, until_ms, ejections, now}
 end

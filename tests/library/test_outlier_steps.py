@@ -63,3 +63,19 @@ async def test_the_ejection_cap_counts_the_ejected_zset(make_coordinator: MakeCo
     await c.register_instance(spec(0, epoch=restarted.epoch + 1))
     assert (await c.record_outcome("i0", True, EJECT_AT_ONCE)).state == "ok"
     assert (await c.record_outcome("i2", False, EJECT_AT_ONCE, "x")).state == "ejected"
+
+
+async def test_a_recovered_instance_leaves_no_record(make_coordinator: MakeCoordinator) -> None:
+    """A success after failures that ejected nothing deletes the instance's record: the
+    hash every node reads each second holds only failing or recently ejected ones."""
+    c = await pool_of(make_coordinator, 3)
+    policy = OutlierPolicy(consecutive_failures=3)
+    await c.record_outcome("i0", False, policy, "status_500")
+    await c.record_outcome("i1", False, EJECT_AT_ONCE, "status_500")  # ejected
+    assert set((await c.read_outliers()).states) == {"i0", "i1"}
+    assert (await c.record_outcome("i0", True, policy)).state == "ok"
+    fields = {
+        f.decode() if isinstance(f, bytes) else f for f in await c.redis.hkeys(c.keys.outliers())
+    }
+    assert not {f for f in fields if f.startswith("i0:")}
+    assert set((await c.read_outliers()).states) == {"i1"}  # the ejected one stays
