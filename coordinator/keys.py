@@ -76,7 +76,7 @@ class PoolKeys:
         return f"{self.stem}:outliers"
 
     def ejected(self) -> str:
-        """Zset instance id -> ejected until (Redis ms): the ejected share in one ZCOUNT
+        """Zset instance id -> ejected until (Redis ms): the ejected share in one ZCARD
         (see lua/record_outcome.lua)."""
         return f"{self.stem}:ejected"
 

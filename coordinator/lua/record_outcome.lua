@@ -8,6 +8,9 @@
 -- KEYS[17] = {pool}:outliers  hash "<id>:fails", "<id>:last_fail_ms", "<id>:until_ms",
 --   "<id>:ejections", "<id>:reason", "<id>:epoch" (coordinator/keys.py PoolKeys.outliers);
 --   a record of an older epoch is void: a restarted engine starts clean
+-- KEYS[18] = {pool}:ejected  zset instance id -> ejected until (Redis ms): the ejected
+--   share is one ZCARD, so an ejection never scans the pool (at 10,000 instances the
+--   scan took 24 ms, and ran again on every failure once the cap was reached)
 -- ARGV[1] = instance id
 -- ARGV[2] = outcome: 'ok' or 'fail'
 -- ARGV[3] = consecutive failures that eject (integer >= 1)
@@ -16,9 +19,6 @@
 -- ARGV[6] = longest ejection in ms (integer >= ARGV[5]); also how long an instance must
 --   stay un-ejected before its next ejection starts from the first length again
 -- ARGV[7] = most instances ejected at once, in percent of the alive ones (0..100)
--- KEYS[18] = {pool}:ejected  zset instance id -> ejected until (Redis ms): the ejected
---   share is one ZCOUNT, so an ejection never scans the pool (at 10,000 instances the
---   scan took 24 ms, and ran again on every failure once the cap was reached)
 -- ARGV[8] = alive instances as the calling node's view counts them (integer >= 0; the
 --   share's denominator, this instance included at least)
 -- ARGV[9] = reason of a failure (short text for operators, e.g. 'status_503')
@@ -48,11 +48,16 @@ local now = now_ms()
 local epoch = redis.call('HGET', K_EPOCH, id)
 if not epoch then return {'unknown', 0, 0, 0, now} end
 local function field(name) return tonumber(redis.call('HGET', O, id .. ':' .. name) or '0') end
-if redis.call('HGET', O, id .. ':epoch') ~= epoch then
+-- Forget the instance's failures and ejections (and, with `epoch_too`, its record).
+local function clear(epoch_too)
   redis.call('HDEL', O, id .. ':fails', id .. ':last_fail_ms', id .. ':until_ms',
     id .. ':ejections', id .. ':reason')
-  redis.call('HSET', O, id .. ':epoch', epoch)
+  if epoch_too then redis.call('HDEL', O, id .. ':epoch') end
   redis.call('ZREM', KEYS[18], id)
+end
+if redis.call('HGET', O, id .. ':epoch') ~= epoch then
+  clear(false)
+  redis.call('HSET', O, id .. ':epoch', epoch)
 end
 local until_ms, ejections, fails = field('until_ms'), field('ejections'), field('fails')
 if until_ms > now then return {'already', fails, until_ms, ejections, now} end
@@ -61,9 +66,7 @@ if outcome == 'ok' then
     -- Healthy, with no ejection the next one would count from: the record goes, so
     -- the hash holds only instances failing or recently ejected (read_outliers reads
     -- it all, every node every second).
-    redis.call('HDEL', O, id .. ':fails', id .. ':last_fail_ms', id .. ':until_ms',
-      id .. ':ejections', id .. ':reason', id .. ':epoch')
-    redis.call('ZREM', KEYS[18], id)
+    clear(true)
     return {'ok', 0, 0, 0, now}
   end
   if fails ~= 0 then redis.call('HSET', O, id .. ':fails', 0) end
@@ -76,11 +79,11 @@ redis.call('HSET', O, id .. ':fails', fails, id .. ':last_fail_ms', string.forma
 if fails < threshold then return {'counted', fails, until_ms, ejections, now} end
 -- The share cap: ejections that ended leave the zset here. A node with no view of the
 -- pool (0) gets the registered instances as the denominator.
-redis.call('ZREMRANGEBYSCORE', KEYS[18], '-inf', string.format('(%d', now))
+redis.call('ZREMRANGEBYSCORE', KEYS[18], '-inf', string.format('%d', now))
 local alive = alive_seen
 if alive == 0 then alive = redis.call('HLEN', K_SLOT) end
 alive = math.max(1, alive)
-local ejected = redis.call('ZCOUNT', KEYS[18], string.format('(%d', now), '+inf')
+local ejected = redis.call('ZCARD', KEYS[18])
 if (ejected + 1) * 100 > alive * percent then return {'capped', fails, until_ms, ejections, now} end
 if until_ms > 0 and now - until_ms > longest then ejections = 0 end
 local duration = math.min(base * math.pow(2, math.min(ejections, 40)), longest)
