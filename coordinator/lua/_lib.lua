@@ -194,11 +194,11 @@ local slot_states = {}
 
 -- Instance `id`'s packed state record, decoded: {slot, pending, decode, free_at,
 -- earliest, pending_ms, base}, `base` the inflight last written; nil when `id` has no
--- slot. Change the fields, then write_state.
-local function slot_state(id)
+-- slot (`slot`: its value in the slot hash, false when it has none). Change the
+-- fields, then write_state.
+local function slot_state_at(id, slot)
   local st = slot_states[id]
   if st then return st end
-  local slot = redis.call('HGET', K_SLOT, id)
   if not slot then return nil end
   slot = tonumber(slot)
   local at = slot * STATE_BYTES
@@ -213,6 +213,11 @@ local function slot_state(id)
   end
   slot_states[id] = st
   return st
+end
+
+-- slot_state_at with the slot looked up (HGET slot).
+local function slot_state(id)
+  return slot_states[id] or slot_state_at(id, redis.call('HGET', K_SLOT, id))
 end
 
 -- This call's copy of the pool's change counters in meta: state_ver (every change of

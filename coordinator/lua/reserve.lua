@@ -80,6 +80,25 @@ local function candidate(i)
   return c
 end
 
+-- Candidate i's last_seen, slot and max_slots (false when missing): the first
+-- candidate's by one HGET each (a node whose view is current takes it); when the
+-- walk passes it over, all the others' by one HMGET each.
+local looked = nil
+local function looked_up(i)
+  if i == 1 then
+    return redis.call('HGET', K_LAST_SEEN, ARGV[11]), redis.call('HGET', K_SLOT, ARGV[11]),
+      enforce and redis.call('HGET', K_MAX_SLOTS, ARGV[11])
+  end
+  if not looked then
+    local ids = {}
+    for j = 2, n do ids[j - 1] = ARGV[10 + 5 * (j - 1) + 1] end
+    looked = {redis.call('HMGET', K_LAST_SEEN, unpack(ids)),
+      redis.call('HMGET', K_SLOT, unpack(ids)),
+      enforce and redis.call('HMGET', K_MAX_SLOTS, unpack(ids)) or {}}
+  end
+  return looked[1][i - 1], looked[2][i - 1], looked[3][i - 1]
+end
+
 local m, err = 0, nil
 if #ARGV > 10 + 5 * n then
   m, err = carried_count(11 + 5 * n)
@@ -112,12 +131,12 @@ if (leased or lease_ms > 0) and not existing then
   for i = 1, n do
     local c = candidate(i)
     if c == nil then return fail('bad_arg', 'candidate ' .. i) end
-    local last_seen = redis.call('HGET', K_LAST_SEEN, c.id)
-    local st = last_seen and now - tonumber(last_seen) <= ttl and slot_state(c.id)
+    local last_seen, slot, max_slots = looked_up(i)
+    local st = last_seen and now - tonumber(last_seen) <= ttl and slot_state_at(c.id, slot)
     if st then
       saw_alive = true
       local inflight = st.pending + st.decode
-      local max_slots = enforce and num(K_MAX_SLOTS, c.id) or 0
+      max_slots = enforce and tonumber(max_slots or '0') or 0
       if max_slots > 0 and inflight >= max_slots then
         saw_full = true
         local wait = st.earliest > 0 and math.max(0, st.earliest - now) or 0

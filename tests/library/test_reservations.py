@@ -245,3 +245,50 @@ async def test_cached_tokens_rank_and_predict_only_the_uncached_prefill(
         await c.reserve(10, 10, cached_tokens={"i0": -1})
     capped = await c.reserve(10, 10, cached_tokens={"i0": 50, "i1": 50})
     assert (capped.cached_tokens, capped.prefill_ms) == (10, 0)
+
+
+def _reserve_args(node: str, rid: str, groups: list[tuple[str, int, int]]) -> list[object]:
+    """The reserve script's arguments (its header), enforcing max_slots, for candidates
+    (id, max inflight, max pending_prefill) in rank order."""
+    args: list[object] = [rid, node, 10, 10, 0, 1, 600_000, 600_000, "", len(groups)]
+    for iid, max_inflight, max_pending in groups:
+        args += [iid, 5, 100, max_inflight, max_pending]
+    return args
+
+
+async def test_reserve_walks_past_candidates_it_cannot_take(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Past the first candidate the script reads the rest in one step: an unknown id,
+    a full instance and one busier than its bound are passed over in rank order, the
+    first within bounds taken; with every one over its bound, the least busy at or
+    below the pool's mean."""
+    c = await make_coordinator("n1", enforce_max_slots=True)
+    for i in range(4):
+        await c.register_instance(spec(i, max_slots=1 if i == 1 else 0))
+    await c.refresh()
+    rids = c.keys.node_rids("n1")
+    for rid, iid in (("f1", "i1"), ("b2", "i2"), ("b3a", "i3"), ("b3b", "i3")):
+        args = _reserve_args("n1", rid, [(iid, 99, 99)])
+        assert (await c._direct_call("reserve", args, (rids,)))[:2] == ["ok", iid]
+    walk = [("ghost", 99, 99), ("i1", 99, 99), ("i2", 0, 0), ("i3", 99, 99), ("i0", 99, 99)]
+    reply = await c._direct_call("reserve", _reserve_args("n1", "w1", walk), (rids,))
+    assert reply[:2] == ["ok", "i3"]
+    # Every one over its bound: the least busy, i2 (1 live), is at or below the mean
+    # (5 live on 4 instances); one more there puts it above (2 > 6 / 4): stale.
+    over = [("i3", 0, 0), ("i2", 0, 0)]
+    reply = await c._direct_call("reserve", _reserve_args("n1", "w2", over), (rids,))
+    assert reply[:2] == ["ok", "i2"]
+    reply = await c._direct_call("reserve", _reserve_args("n1", "w2b", over), (rids,))
+    assert reply[0] == "stale"
+    reply = await c._direct_call("reserve", _reserve_args("n1", "w3", [("i1", 99, 99)]), (rids,))
+    assert reply[0] == "full"
+    reply = await c._direct_call(
+        "reserve", _reserve_args("n1", "w4", [("ghost", 99, 99), ("i1", 99, 99)]), (rids,)
+    )
+    assert reply[0] == "full"
+    reply = await c._direct_call("reserve", _reserve_args("n1", "w5", [("ghost", 9, 9)]), (rids,))
+    assert reply[0] == "none"
+    per_instance = (await counters(c))["inflight"]
+    assert per_instance == {"i0": 0, "i1": 1, "i2": 2, "i3": 3}, per_instance
+    await assert_counters_match_reservations(c)
