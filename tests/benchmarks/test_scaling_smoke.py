@@ -5,17 +5,23 @@ What must hold anywhere is the shape of the work: reaping and sweeping take seve
 calls of at most one step (coordinator.coordinator.REAP_STEP, SWEEP_STEP) each, a re-assert
 restores one reservation per call, a new node reads a big pool's specs in steps
 (SPEC_READ_STEP), and a timing flush merges TIMING_STEP instances' samples per call.
+The cycle measurement's replay sends the very calls the nodes made, from the state
+they started on, and leaves the pool as the nodes left it.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 
 import pytest
+from redis import Redis
 
-from bench.scaling import Scale, _stalls
+from bench.scaling import Scale, _cycles, _stalls, register_pool
+from coordinator import Settings
 from coordinator.coordinator import REAP_STEP, SPEC_READ_STEP, SWEEP_STEP, TIMING_STEP
+from coordinator.keys import PoolKeys
 from local_fleet.embedded import EmbeddedRedis
 from tests.helpers import private_server
 
@@ -59,3 +65,29 @@ async def test_stall_scenario_runs_long_work_in_bounded_steps(server: EmbeddedRe
     assert ops["f"]["steps"] == ops["f0"]["steps"] == {"read_state": 1, "read_specs": 1}
     assert ops["f"]["keys"]["spec"] == 10
     assert ops["f"]["keys"]["retired"] == 0
+
+
+async def test_cycle_replay_repeats_the_run_and_restores_the_pool(server: EmbeddedRedis) -> None:
+    register_pool(server.url, "replay", 8)
+    meta = PoolKeys(Settings().key_prefix, "replay").column("meta")
+    client = Redis.from_url(server.url, decode_responses=True)
+
+    def state_ver() -> int:
+        return int(client.hget(meta, "state_ver") or 0)
+
+    versions = [state_ver()]
+    for _ in range(2):
+        r = await _cycles(server.url, "replay", 1, 40)
+        versions.append(state_ver())
+        # One node sends one call at a time: the replay meets exactly the states the
+        # run met, so every call gets the status it got then.
+        assert r["replay_same"] == 1.0
+        # A reserve per request (carrying the marks and releases), then one carry
+        # with the last ones.
+        assert round(r["calls_per_req"] * 40) == 41
+        assert r["busy_cpu_us_per_req"] > 0
+    # Each run changed `state` three times per request (reserve, first token, release)
+    # and its replay counted none twice: the pool ends as the nodes left it.
+    assert [b - a for a, b in itertools.pairwise(versions)] == [3 * 40, 3 * 40]
+    assert client.hlen(PoolKeys(Settings().key_prefix, "replay").column("reservations")) == 0
+    client.close()
