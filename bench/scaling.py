@@ -513,7 +513,7 @@ def pipelined_cycles(url: str, pool: str, requests: int) -> dict[str, float]:
     rids = [f"piped-{i}" for i in range(requests)]
 
     def reserve_args(i: int, rid: str) -> list[Any]:
-        args: list[Any] = [rid, node, 512, 128, 0, 0, SETTINGS.instance_ttl_ms, 0, "", k]
+        args: list[Any] = [rid, node, 512, 128, 0, 0, SETTINGS.instance_ttl_ms, 0, "", k, 0]
         for c in range(k):  # observed as busy as can be: the first candidate is taken
             args += [names[(i + c) % len(names)], 50, 2000, 10**12, 10**12]
         return args
@@ -531,9 +531,9 @@ def pipelined_cycles(url: str, pool: str, requests: int) -> dict[str, float]:
 
 
 def request_call_args() -> int:
-    """Arguments of a proxied request's one call: reserve's 10, a group of 5 per
+    """Arguments of a proxied request's one call: reserve's 11, a group of 5 per
     candidate, then the carried mark and release (a count and 2 pairs)."""
-    return 10 + 5 * SETTINGS.top_k + 1 + 2 * 2
+    return 11 + 5 * SETTINGS.top_k + 1 + 2 * 2
 
 
 def script_floor(url: str, calls: int) -> dict[str, float]:

@@ -625,13 +625,13 @@ class Coordinator:
         ranked_as = self._guard_hot_spots(request)
         for attempt in range(s.reserve_retries + 1):
             ranking = self._rank_for_reserve(strategy, skip, ranked_as)
-            candidates = ranking.ranked[: s.top_k]
+            candidates, ties = ranking.for_reserve(s.top_k)
             if not candidates and not refreshed:
                 # A young cache may predate a registration: look again before a 503.
                 await self.refresh()
                 refreshed = True
                 ranking = self._rank_for_reserve(strategy, skip, ranked_as)
-                candidates = ranking.ranked[: s.top_k]
+                candidates, ties = ranking.for_reserve(s.top_k)
             if not candidates:
                 raise NoInstanceError("no alive instance in pool " + self.pool)
             # With one candidate there is nothing to spread over: no point retrying.
@@ -647,6 +647,7 @@ class Coordinator:
                 0 if self._leased else s.lease_ms,
                 self._cache.view_token,
                 len(candidates),
+                ties,
             ]
             for c, (max_inflight, max_pending) in zip(
                 candidates,
@@ -754,7 +755,7 @@ class Coordinator:
                 skip = skip | self._full_ids()
             return self.rank(self._current_snapshot(), name, exclude=skip, request=request)
         s = self.settings
-        ranked, scores = self._columns_view.rank_least_load(
+        return self._columns_view.rank_least_load(
             self._cache,
             self._cache.estimated_now_ms(),
             s.weights,
@@ -765,7 +766,6 @@ class Coordinator:
             room_only=room_only,
             request=request,
         )
-        return Ranking(ranked, scores, "least_load")
 
     def _full_ids(self) -> frozenset[str]:
         """Instances at max_slots in the cache."""

@@ -34,6 +34,7 @@ from coordinator.strategies import (
     LIFECYCLE,
     PREDICTED,
     TIE_EPSILON,
+    Ranking,
     RoundRobin,
     Score,
 )
@@ -170,8 +171,8 @@ class ColumnarPool:
         k: int,
         room_only: bool = False,
         request: RequestShape | None = None,
-    ) -> tuple[list[InstanceLoad], Mapping[str, Score]]:
-        """The reference least_load's first k candidates and their scores.
+    ) -> Ranking:
+        """The reference least_load's first k candidates, their scores and its tie.
 
         `room_only` leaves out instances at max_slots, as if they were not eligible.
         With a `request`, the ttft_ms and prefill_ms components are scored as in the
@@ -184,7 +185,7 @@ class ColumnarPool:
             mask &= self._room
         count = int(np.count_nonzero(mask))
         if count == 0:
-            return [], {}
+            return Ranking([], {}, "least_load")
         # Every row eligible (the usual case): views instead of fancy-indexed copies.
         sel: slice | Positions
         if count == len(self.ids):
@@ -241,7 +242,7 @@ class ColumnarPool:
                 total = np.zeros(count)
             if self._weighted:
                 total = total / c["weight"][sel]
-            order = self._top(total, rr, k)
+            order, tied = self._top(total, rr, k)
         chosen = order if eligible is None else eligible[order]
         sources = {
             layer: ("hints" if layer == "instantaneous" else "reservations")
@@ -272,7 +273,7 @@ class ColumnarPool:
                 return Score(load.id, totals[j], raw, weighted, dict(sources), shown)
 
             build[iid] = score
-        return loads, LazyScores(build)
+        return Ranking(loads, LazyScores(build), "least_load", tied)
 
     def backlogs(
         self, cache: PoolCache, now: int, instance_ttl_ms: int, ids: Iterable[str]
@@ -316,8 +317,9 @@ class ColumnarPool:
             column[i] = min(np.ceil(raw), float(MAX_PREDICTED_MS)) if raw > 0 else 0.0
         return column
 
-    def _top(self, total: Floats, rr: RoundRobin, k: int) -> Positions:
-        """Positions of the first k: tied minimum rotated by rr, then (total, id) order.
+    def _top(self, total: Floats, rr: RoundRobin, k: int) -> tuple[Positions, int]:
+        """Positions of the first k: tied minimum rotated by rr, then (total, id) order;
+        and the size of the tied minimum.
 
         Positions are in id order, so a stable sort by total is the (total, id) order,
         and the tied minimum is a prefix of it.
@@ -335,7 +337,7 @@ class ColumnarPool:
             else:
                 ties = np.flatnonzero(tied_mask)
                 ties = ties[np.argsort(total[ties], kind="stable")]
-            return ties.take(np.arange(shift, shift + k), mode="wrap")
+            return ties.take(np.arange(shift, shift + k), mode="wrap"), tied
         if n <= k or n < self.sort_all_below:
             ordered = np.argsort(total, kind="stable")[:k]
         else:
@@ -345,7 +347,7 @@ class ColumnarPool:
             ordered = near[np.argsort(total[near], kind="stable")[:k]]
         if shift:
             ordered = np.concatenate((ordered[shift:tied], ordered[:shift], ordered[tied:]))
-        return ordered
+        return ordered, tied
 
 
 class LazyScores(Mapping[str, Score]):

@@ -67,11 +67,26 @@ class Ranking:
     ranked: list[InstanceLoad]
     scores: Mapping[str, Score] = field(default_factory=dict)
     strategy: str = "least_load"
+    # How many candidates lead tied for the best score (the rotated tied minimum): the
+    # score cannot tell them apart. 1 when the ranking knows of no tie.
+    tied: int = 1
 
     @property
     def choice(self) -> InstanceLoad | None:
         """The best candidate, or None when there is none."""
         return self.ranked[0] if self.ranked else None
+
+    def for_reserve(self, k: int) -> tuple[list[InstanceLoad], int]:
+        """The first k candidates for reserve.lua, and how many of them lead tied.
+
+        The script walks a least_load tie in one turn round the pool (lua/reserve.lua
+        ARGV[11]), where each node's own rotation would send several nodes' concurrent
+        or successive picks to the same idle instance. Other strategies' orders are
+        kept as ranked (0 ties).
+        """
+        candidates = self.ranked[:k]
+        ties = min(self.tied, len(candidates)) if self.strategy == "least_load" else 0
+        return candidates, ties if ties >= 2 else 0
 
 
 def eligible(rows: Sequence[InstanceLoad], role: str = "mixed") -> list[InstanceLoad]:
@@ -159,17 +174,18 @@ def score_rows(
 
 def _rank_by_score(
     rows: Sequence[InstanceLoad], scores: dict[str, Score], rr: RoundRobin
-) -> list[InstanceLoad]:
-    """Order by total; the tied minimum rotates; unknown totals go last (rotated)."""
+) -> tuple[list[InstanceLoad], int]:
+    """Order by total; the tied minimum rotates; unknown totals go last (rotated).
+    Also returns the size of the tied minimum (1 when none is known)."""
     if not rows:
-        return []
+        return [], 1
     known = sorted(
         (r for r in rows if scores[r.id].total is not None),
         key=lambda r: (scores[r.id].total, r.id),
     )
     unknown = sorted((r for r in rows if scores[r.id].total is None), key=lambda r: r.id)
     if not known:
-        return _rotate(unknown, rr.take())
+        return _rotate(unknown, rr.take()), 1
     best = scores[known[0].id].total or 0.0
 
     def ties(total: float) -> bool:
@@ -178,7 +194,7 @@ def _rank_by_score(
 
     tied = [r for r in known if ties(scores[r.id].total or 0.0)]
     rest = known[len(tied) :]
-    return _rotate(tied, rr.take()) + rest + unknown
+    return _rotate(tied, rr.take()) + rest + unknown, len(tied)
 
 
 def _rotate(items: list[InstanceLoad], offset: int) -> list[InstanceLoad]:
@@ -201,7 +217,8 @@ def least_load(
     scores = score_rows(
         rows, weights, use_hints=use_hints, use_predicted=use_predicted, request=request
     )
-    return Ranking(_rank_by_score(rows, scores, rr), scores, "least_load")
+    ranked, tied = _rank_by_score(rows, scores, rr)
+    return Ranking(ranked, scores, "least_load", tied)
 
 
 def round_robin(
@@ -226,7 +243,7 @@ def power_of_two(
     """Sample two candidates at random, then rank them by least_load score."""
     sample = rng.sample(list(rows), 2) if len(rows) > 2 else list(rows)
     scores = score_rows(sample, weights, request=request)
-    return Ranking(_rank_by_score(sample, scores, rr), scores, "power_of_two")
+    return Ranking(_rank_by_score(sample, scores, rr)[0], scores, "power_of_two")
 
 
 def rank(

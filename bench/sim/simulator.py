@@ -402,6 +402,7 @@ class Simulation:
             )
             for n in range(c.nodes)
         ]
+        self.tie_last = -1  # the slot reserve.lua last took with ties (meta tie_last)
         self.stale_retries = 0  # reserve calls that found every candidate busier
         self.forced = 0  # reserves forced on the last try
         self.central_rr = RoundRobin()
@@ -659,27 +660,35 @@ class Simulation:
         assert view is not None
         view.ensure(now)
         for attempt in range(c.reserve_retries + 1):
-            candidates = self._rank(node, shape, now).ranked[: c.top_k]
+            candidates, ties = self._rank(node, shape, now).for_reserve(c.top_k)
             assert candidates, "every simulated instance stays alive"
+            bounds = guard_bounds([view.rows[cand.id] for cand in candidates], shape, c.weights)
+            # The walk: the tied candidates by slot (here: index) from the first after
+            # the one the pool's last reservation with ties took, then the rest.
+            tied = sorted(range(ties), key=lambda i: self.index[candidates[i].id])
+            after = [i for i in tied if self.index[candidates[i].id] > self.tie_last]
+            start = tied.index(after[0]) if after else 0
+            walk = [*tied[start:], *tied[:start], *range(len(tied), len(candidates))]
+            least = min(walk, key=lambda i: self.state.inflight(candidates[i].id))
             if attempt == c.reserve_retries or len(candidates) == 1:
                 self.forced += attempt == c.reserve_retries
-                best = min(candidates, key=lambda cand: self.state.inflight(cand.id))
-                return self.index[best.id]
-            for cand, (most, pending) in zip(
-                candidates,
-                guard_bounds([view.rows[cand.id] for cand in candidates], shape, c.weights),
-                strict=True,
-            ):
-                if self.state.within(cand.id, most, pending):
-                    return self.index[cand.id]
+                return self._taken(candidates[least], ties)
+            for i in walk:
+                if self.state.within(candidates[i].id, *bounds[i]):
+                    return self._taken(candidates[i], ties)
             # Every candidate got busier: the least busy, if at or below the pool's mean.
-            least = min(candidates, key=lambda cand: self.state.inflight(cand.id))
             total = sum(self.state.inflight(iid) for iid in self.ids)
-            if self.state.inflight(least.id) * len(self.ids) <= total:
-                return self.index[least.id]
+            if self.state.inflight(candidates[least].id) * len(self.ids) <= total:
+                return self._taken(candidates[least], ties)
             self.stale_retries += 1
             view.read(now)  # a 'stale' reply carries the whole state
         raise AssertionError("unreachable: the last try is forced")
+
+    def _taken(self, chosen: InstanceLoad, ties: int) -> int:
+        """The instance a reserve took; one taken with ties moves the pool's turn."""
+        if ties >= 2:
+            self.tie_last = self.index[chosen.id]
+        return self.index[chosen.id]
 
     def _affinity_shape(
         self, node: _Node, req: TraceRequest, now: int, expected: int, cached: dict[str, int]

@@ -223,15 +223,18 @@ end
 -- This call's copy of the pool's change counters in meta: state_ver (every change of
 -- `state` bumps it by one, so a node holding the version before a change can apply
 -- that change's record alone) and inflight_total (the live reservations of the whole
--- pool: the sum over `state`). Read once, written once by commit_state; run_id and
--- spec_gen come with them (false and 0 when meta does not exist).
+-- pool: the sum over `state`). Read once, written once by commit_state; run_id,
+-- spec_gen and tie_last (the slot reserve.lua last took from tied candidates, -1
+-- for none; `turned` when it moved) come with them (false and 0 when meta does not
+-- exist).
 local pool_meta = nil
 
 local function pool_counts()
   if not pool_meta then
-    local m = redis.call('HMGET', K_META, 'state_ver', 'inflight_total', 'run_id', 'spec_gen')
+    local m = redis.call('HMGET', K_META, 'state_ver', 'inflight_total', 'run_id', 'spec_gen',
+      'tie_last')
     pool_meta = {ver = tonumber(m[1]) or 0, total = tonumber(m[2]) or 0, dirty = false,
-      run = m[3], spec_gen = tonumber(m[4]) or 0}
+      run = m[3], spec_gen = tonumber(m[4]) or 0, tie_last = tonumber(m[5]) or -1}
   end
   return pool_meta
 end
@@ -239,7 +242,12 @@ end
 -- Write back what write_state changed; every script that writes `state` ends with it.
 local function commit_state()
   if pool_meta and pool_meta.dirty then
-    redis.call('HSET', K_META, 'state_ver', pool_meta.ver, 'inflight_total', pool_meta.total)
+    if pool_meta.turned then
+      redis.call('HSET', K_META, 'state_ver', pool_meta.ver, 'inflight_total', pool_meta.total,
+        'tie_last', pool_meta.tie_last)
+    else
+      redis.call('HSET', K_META, 'state_ver', pool_meta.ver, 'inflight_total', pool_meta.total)
+    end
     pool_meta.dirty = false
   end
 end

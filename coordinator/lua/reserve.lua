@@ -13,7 +13,13 @@
 --   whose lease expired may have been reaped and must re-assert first); > 0 when the
 --   node never held one: a missing lease is then created with this length (ms)
 -- ARGV[9] = the caller's view: '<run_id>:<state_ver>' of the `state` it holds, or ''
--- ARGV[10] = n, the number of candidates; then n groups of
+-- ARGV[10] = n, the number of candidates
+-- ARGV[11] = ties: the first `ties` candidates tie for best in the caller's ranking.
+--   The walk visits them in slot order, from the first slot after the one the pool's
+--   last reservation with ties took (meta tie_last), wrapping round, then the rest as
+--   ranked: the fleet's nodes take tied instances in one turn round the pool, not each
+--   by a rotation of its own that the others' collide with. 0 or 1: no ties.
+-- ARGV[12 ..] = n groups of
 --   {instance id, prefill_ms (ms, <= 86400000), decode_ms (ms, <= 86400000),
 --    max inflight, max pending_prefill}: the most live reservations (both phases) and
 --   prefill-phase reservations the candidate may have now and still be taken. The
@@ -21,7 +27,7 @@
 --   ranked after this one (so a candidate is still taken while it is no busier than
 --   the alternatives the caller knows: a stale view costs no retry as long as its
 --   order holds). A group is checked only when the script looks at its candidate.
--- ARGV[11 + 5n] (optional) = m (<= 64), then m pairs {'f' | 'r', rid}: first-token marks and
+-- ARGV[12 + 5n] (optional) = m (<= 64), then m pairs {'f' | 'r', rid}: first-token marks and
 --   releases of this node's reservations that ride along with this call (the node
 --   holds them back a few ms for its next reserve, so a request costs one call, not
 --   three). They are applied in order, whatever this call's status: after it decided
@@ -62,13 +68,16 @@ if ttl == nil then return fail('bad_arg', 'ttl_ms') end
 local lease_ms = int_arg(ARGV[8], 86400000)
 if lease_ms == nil then return fail('bad_arg', 'lease_ms') end
 local n = int_arg(ARGV[10], 64)
-if n == nil or n < 1 or #ARGV < 10 + 5 * n then
+if n == nil or n < 1 or #ARGV < 11 + 5 * n then
   return fail('bad_arg', 'candidates: expected n >= 1 groups of 5')
 end
+local ties = int_arg(ARGV[11], n)
+if ties == nil then return fail('bad_arg', 'ties must be an integer in 0..n') end
+local G = 11  -- candidate i's group is ARGV[G + 5(i - 1) + 1 .. G + 5i]
 -- Candidate i's group, or nil when one of its numbers is not valid. The id needs no
 -- pattern check: one that is not registered is never alive, so never chosen or written.
 local function candidate(i)
-  local base = 10 + 5 * (i - 1)
+  local base = G + 5 * (i - 1)
   local c = {id = ARGV[base + 1],
     prefill_ms = int_arg(ARGV[base + 2], MAX_PREDICTED_MS),
     decode_ms = int_arg(ARGV[base + 3], MAX_PREDICTED_MS),
@@ -80,28 +89,54 @@ local function candidate(i)
   return c
 end
 
--- Candidate i's last_seen, slot and max_slots (false when missing): the first
--- candidate's by one HGET each (a node whose view is current takes it); when the
--- walk passes it over, all the others' by one HMGET each.
-local looked = nil
+-- The order the walk visits the candidates in: the tied ones by slot from the first
+-- after tie_last (wrapping round), then the rest as ranked.
+local order = {}
+if ties >= 2 then
+  local ids, tied = {}, {}
+  for i = 1, ties do ids[i], tied[i] = ARGV[G + 5 * (i - 1) + 1], i end
+  local slots = redis.call('HMGET', K_SLOT, unpack(ids))
+  local function slot_of(i) return tonumber(slots[i]) or -1 end  -- -1: not registered
+  table.sort(tied, function(a, b)
+    local sa, sb = slot_of(a), slot_of(b)
+    if sa ~= sb then return sa < sb end
+    return a < b
+  end)
+  local last, start = pool_counts().tie_last, 1
+  for k = 1, ties do
+    if slot_of(tied[k]) > last then start = k break end
+  end
+  for k = 0, ties - 1 do order[k + 1] = tied[(start - 1 + k) % ties + 1] end
+end
+for i = #order + 1, n do order[i] = i end
+
+-- Candidate i's last_seen, slot and max_slots (false when missing): the first visited
+-- one's by one HGET each (a node whose view is current takes it); when the walk
+-- passes it over, all the others' by one HMGET each.
+local looked, looked_at = nil, {}
 local function looked_up(i)
-  if i == 1 then
-    return redis.call('HGET', K_LAST_SEEN, ARGV[11]), redis.call('HGET', K_SLOT, ARGV[11]),
-      enforce and redis.call('HGET', K_MAX_SLOTS, ARGV[11])
+  local id = ARGV[G + 5 * (i - 1) + 1]
+  if i == order[1] then
+    return redis.call('HGET', K_LAST_SEEN, id), redis.call('HGET', K_SLOT, id),
+      enforce and redis.call('HGET', K_MAX_SLOTS, id)
   end
   if not looked then
     local ids = {}
-    for j = 2, n do ids[j - 1] = ARGV[10 + 5 * (j - 1) + 1] end
+    for k = 2, n do
+      ids[k - 1] = ARGV[G + 5 * (order[k] - 1) + 1]
+      looked_at[order[k]] = k - 1
+    end
     looked = {redis.call('HMGET', K_LAST_SEEN, unpack(ids)),
       redis.call('HMGET', K_SLOT, unpack(ids)),
       enforce and redis.call('HMGET', K_MAX_SLOTS, unpack(ids)) or {}}
   end
-  return looked[1][i - 1], looked[2][i - 1], looked[3][i - 1]
+  local at = looked_at[i]
+  return looked[1][at], looked[2][at], looked[3][at]
 end
 
 local m, err = 0, nil
-if #ARGV > 10 + 5 * n then
-  m, err = carried_count(11 + 5 * n)
+if #ARGV > G + 5 * n then
+  m, err = carried_count(G + 5 * n + 1)
   if m == nil then return err end
 end
 
@@ -115,7 +150,7 @@ local saw_alive, saw_full, min_slot_ms = false, false, nil
 -- A retry elsewhere reserves again under the rid its carried release ends.
 local rid_released = false
 for i = 1, m do
-  local at = 11 + 5 * n + 2 * i
+  local at = G + 5 * n + 1 + 2 * i
   if ARGV[at - 1] == 'r' and ARGV[at] == rid then rid_released = true end
 end
 if (leased or lease_ms > 0) and not rid_released then
@@ -128,7 +163,7 @@ if (leased or lease_ms > 0) and not existing then
   -- live reservations now, when it has no more than the pool's mean (taking it cannot
   -- make it the busiest; a view many changes behind then costs no second call).
   local least, least_st = nil, nil
-  for i = 1, n do
+  for _, i in ipairs(order) do
     local c = candidate(i)
     if c == nil then return fail('bad_arg', 'candidate ' .. i) end
     local last_seen, slot, max_slots = looked_up(i)
@@ -159,7 +194,7 @@ if (leased or lease_ms > 0) and not existing then
 end
 
 -- Then write: the carried transitions first, whatever the status.
-local carried, bumps = apply_carried(11 + 5 * n, m, KEYS[17], now)
+local carried, bumps = apply_carried(G + 5 * n + 1, m, KEYS[17], now)
 local run = pool_counts().run or run_id(now)
 local spec_gen = pool_counts().spec_gen
 local function view(patch)
@@ -199,4 +234,8 @@ redis.call('ZADD', K_BY_INSTANCE, '0', lex_member(id, epoch, end_at, rid))
 redis.call('SADD', KEYS[17], rid)
 st.pending, st.pending_ms, st.free_at = st.pending + 1, st.pending_ms + chosen.prefill_ms, first_token_at
 earliest_joined(st, end_at)
+if ties >= 2 then
+  local p = pool_counts()
+  p.tie_last, p.turned = st.slot, true
+end
 return {'ok', id, epoch, ttft, chosen.prefill_ms, chosen.decode_ms, carried, view(write_state(st))}

@@ -213,7 +213,7 @@ async def test_a_burst_of_held_transitions_goes_in_bounded_calls(
     async def sized(name: str, real: Any, *args: Any) -> Any:
         if name in ("reserve", "carry"):
             script_args = args[1]
-            count_at = 0 if name == "carry" else 10 + 5 * int(script_args[9])
+            count_at = 0 if name == "carry" else 11 + 5 * int(script_args[9])
             sizes.append((name, int(script_args[count_at])))
         return await real(*args)
 

@@ -110,7 +110,7 @@ def assert_ranks_like_reference(
     """The fast ranking of the cache's rows equals the reference on the same rows."""
     pool_rows = list(cache.rows.values())
     fast_rr, ref_rr = RoundRobin(rr_start), RoundRobin(rr_start)
-    fast, fast_scores = columns.rank_least_load(
+    ranking = columns.rank_least_load(
         cache,
         NOW,
         weights,
@@ -128,7 +128,9 @@ def assert_ranks_like_reference(
         if not room_only or r.max_slots <= 0 or (r.inflight or 0) < r.max_slots
     ]
     ref = least_load(candidates, weights, ref_rr, request=request)
+    fast, fast_scores = ranking.ranked, ranking.scores
     assert [r.id for r in fast] == [r.id for r in ref.ranked[:k]]
+    assert (ranking.tied, ranking.strategy) == (ref.tied, ref.strategy)
     assert fast == ref.ranked[:k]
     for r in fast:
         assert fast_scores[r.id] == ref.scores[r.id]
@@ -221,15 +223,15 @@ def test_incremental_sync_tracks_changes() -> None:
     cache.membership = 1
     columns = ColumnarPool()
     rr = RoundRobin()
-    first, _ = columns.rank_least_load(
+    first = columns.rank_least_load(
         cache, NOW, Weights(), rr, instance_ttl_ms=TTL, hint_ttl_ms=HINT_TTL, k=1
-    )
+    ).ranked
     assert first[0].id == "a"
     cache.rows["a"] = InstanceRow("a", spec, 1, NOW, 0, 5, 5, 0, NOW, None)
     cache.dirty.add("a")
-    second, _ = columns.rank_least_load(
+    second = columns.rank_least_load(
         cache, NOW, Weights(), rr, instance_ttl_ms=TTL, hint_ttl_ms=HINT_TTL, k=1
-    )
+    ).ranked
     assert second[0].id == "b"
     assert cache.dirty == set()
 
@@ -249,10 +251,12 @@ def test_every_total_inf_ranks_like_the_reference() -> None:
     columns = ColumnarPool()
     firsts = set()
     for start in range(3):
-        fast, fast_scores = columns.rank_least_load(
+        ranking = columns.rank_least_load(
             cache, NOW, weights, RoundRobin(start), instance_ttl_ms=TTL, hint_ttl_ms=HINT_TTL, k=3
         )
+        fast, fast_scores = ranking.ranked, ranking.scores
         ref = least_load(eligible(adjusted), weights, RoundRobin(start))
+        assert ranking.tied == ref.tied == 3
         assert [r.id for r in fast] == [r.id for r in ref.ranked]
         assert all(fast_scores[r.id].total == float("inf") for r in fast)
         firsts.add(fast[0].id)
@@ -279,5 +283,6 @@ def test_top_k_orders_like_the_reference(
     shift = rr_start % len(tied)
     expected = (tied[shift:] + tied[:shift] + known[len(tied) :])[:k]
     with np.errstate(invalid="ignore"):  # inf - inf, as in rank_least_load
-        top = columns._top(np.array(totals), RoundRobin(rr_start), k)
+        top, tied_count = columns._top(np.array(totals), RoundRobin(rr_start), k)
     assert top.tolist() == expected
+    assert tied_count == len(tied)

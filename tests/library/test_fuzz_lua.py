@@ -201,6 +201,7 @@ def calls(draw: st.DrawFn, name: str) -> Call:
             draw(st.sampled_from(["0", "600000"])),
             draw(st.just("") | run_ids),
             str(n),
+            str(draw(st.integers(0, n))),
         ]
         for _ in range(n):
             candidate = draw(st.sampled_from(INSTANCES) | ids)
@@ -379,7 +380,7 @@ BASE_CALLS: dict[str, list[str]] = {
     "read_specs": ["0", "", "500"],
     "sweep": ["500"],
     "reserve": [
-        *("r-new", NODE, "100", "10", "1", "1", "600000", "0", "", "1"),
+        *("r-new", NODE, "100", "10", "1", "1", "600000", "0", "", "1", "0"),
         *("i0", "15", "20", "0", "0"),
         *("1", "f", PREFILL_RID),  # one carried first-token mark
     ],

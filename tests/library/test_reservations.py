@@ -247,10 +247,12 @@ async def test_cached_tokens_rank_and_predict_only_the_uncached_prefill(
     assert (capped.cached_tokens, capped.prefill_ms) == (10, 0)
 
 
-def _reserve_args(node: str, rid: str, groups: list[tuple[str, int, int]]) -> list[object]:
+def _reserve_args(
+    node: str, rid: str, groups: list[tuple[str, int, int]], ties: int = 0
+) -> list[object]:
     """The reserve script's arguments (its header), enforcing max_slots, for candidates
-    (id, max inflight, max pending_prefill) in rank order."""
-    args: list[object] = [rid, node, 10, 10, 0, 1, 600_000, 600_000, "", len(groups)]
+    (id, max inflight, max pending_prefill) in rank order, the first `ties` tied."""
+    args: list[object] = [rid, node, 10, 10, 0, 1, 600_000, 600_000, "", len(groups), ties]
     for iid, max_inflight, max_pending in groups:
         args += [iid, 5, 100, max_inflight, max_pending]
     return args
@@ -292,3 +294,45 @@ async def test_reserve_walks_past_candidates_it_cannot_take(
     per_instance = (await counters(c))["inflight"]
     assert per_instance == {"i0": 0, "i1": 1, "i2": 2, "i3": 3}, per_instance
     await assert_counters_match_reservations(c)
+
+
+async def test_tied_candidates_are_taken_in_the_pools_turn(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Two nodes sending a tied group take its instances in one turn round the pool
+    (by slot, after meta tie_last), not each from its first: no two of four reserves
+    share an instance, whatever order each node sends. A refused call leaves the
+    turn where it was."""
+    nodes = [await make_coordinator(f"n{k}") for k in range(2)]
+    for i in range(4):
+        await nodes[0].register_instance(spec(i))
+    tied = [(f"i{i}", 99, 99) for i in range(4)]
+    taken = []
+    for k in range(4):
+        node = nodes[k % 2]
+        # Each node sends the tie in an order of its own: here last slot first.
+        args = _reserve_args(node.node_id, f"t{k}", tied[::-1], ties=4)
+        reply = await node._direct_call("reserve", args, (node.keys.node_rids(node.node_id),))
+        assert reply[0] == "ok"
+        taken.append(reply[1])
+    assert taken == ["i0", "i1", "i2", "i3"]
+    meta = nodes[0].keys.column("meta")
+    assert await nodes[0].redis.hget(meta, "tie_last") in (b"3", "3")  # i3's slot
+    # Every one over its bound and above the mean (4 on 4 after one more on i0): stale,
+    # and the turn stays.
+    one = nodes[0]
+    rids = one.keys.node_rids(one.node_id)
+    assert (await one._direct_call("reserve", _reserve_args("n0", "t4", [("i0", 9, 9)]), (rids,)))[
+        0
+    ] == "ok"
+    over = [(f"i{i}", 0, 0) for i in range(4)]
+    reply = await one._direct_call("reserve", _reserve_args("n0", "t5", over[:1], ties=0), (rids,))
+    assert reply[0] == "stale"
+    reply = await one._direct_call(
+        "reserve", _reserve_args("n0", "t6", [over[0], over[0]], ties=2), (rids,)
+    )
+    assert reply[0] == "stale"
+    assert await one.redis.hget(meta, "tie_last") in (b"3", "3")
+    with pytest.raises(ScriptArgumentError):
+        await one._direct_call("reserve", _reserve_args("n0", "t7", tied, ties=5), (rids,))
+    await assert_counters_match_reservations(one)
