@@ -91,12 +91,12 @@ end
 
 -- The order the walk visits the candidates in: the tied ones by slot from the first
 -- after tie_last (wrapping round), then the rest as ranked.
-local order = {}
+local order, tie_slots = {}, nil
 if ties >= 2 then
   local ids, tied = {}, {}
   for i = 1, ties do ids[i], tied[i] = ARGV[G + 5 * (i - 1) + 1], i end
-  local slots = redis.call('HMGET', K_SLOT, unpack(ids))
-  local function slot_of(i) return tonumber(slots[i]) or -1 end  -- -1: not registered
+  tie_slots = redis.call('HMGET', K_SLOT, unpack(ids))
+  local function slot_of(i) return tonumber(tie_slots[i]) or -1 end  -- -1: not registered
   table.sort(tied, function(a, b)
     local sa, sb = slot_of(a), slot_of(b)
     if sa ~= sb then return sa < sb end
@@ -111,13 +111,15 @@ end
 for i = #order + 1, n do order[i] = i end
 
 -- Candidate i's last_seen, slot and max_slots (false when missing): the first visited
--- one's by one HGET each (a node whose view is current takes it); when the walk
--- passes it over, all the others' by one HMGET each.
+-- one's by one HGET each (its slot from the tie's HMGET when tied; a node whose view
+-- is current takes it); when the walk passes it over, all the others' by one HMGET
+-- each.
 local looked, looked_at = nil, {}
 local function looked_up(i)
   local id = ARGV[G + 5 * (i - 1) + 1]
   if i == order[1] then
-    return redis.call('HGET', K_LAST_SEEN, id), redis.call('HGET', K_SLOT, id),
+    local slot = tie_slots and tie_slots[i] or redis.call('HGET', K_SLOT, id)
+    return redis.call('HGET', K_LAST_SEEN, id), slot,
       enforce and redis.call('HGET', K_MAX_SLOTS, id)
   end
   if not looked then
