@@ -7,7 +7,8 @@
 -- returns {run_id, spec_gen, mode, next, entries}
 --   mode 'delta': entries of the ids changed since ARGV[1]; next = '' when caught up,
 --     else the spec_gen to ask from next
---   mode 'full': ARGV[1] predates the kept change log (or ARGV[2] asked for it);
+--   mode 'full': ARGV[1] is 0 or predates the kept change log (or ARGV[2] asked for
+--     it);
 --     next = the HSCAN cursor to continue with ('0' = done)
 --   entries: flat {id, spec_json|false, epoch, max_slots, slot} (false: removed)
 local since = int_arg(ARGV[1])
@@ -40,8 +41,10 @@ end
 if cursor == '' then
   local oldest = redis.call('ZRANGE', K_SPEC_LOG, 0, 0, 'WITHSCORES')
   local kept_from = #oldest > 0 and tonumber(oldest[2]) or gen + 1
-  if since > gen or since + 1 < kept_from then
-    cursor = '0'  -- the log no longer covers the gap: read everything
+  if since == 0 or since > gen or since + 1 < kept_from then
+    -- Nothing held yet, or the log no longer covers the gap: read every current spec
+    -- (a new node never walks the log's removed ids).
+    cursor = '0'
   else
     local ids = redis.call('ZRANGEBYSCORE', K_SPEC_LOG, '(' .. since, '+inf', 'WITHSCORES',
       'LIMIT', 0, limit)
