@@ -133,6 +133,11 @@ def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: after[k] - before[k] for k in after}
 
 
+def load_scripts(client: SyncRedis) -> dict[str, str]:
+    """Every script loaded on the server: name -> sha."""
+    return {name: str(client.script_load(script_source(name))) for name in SCRIPT_NAMES}
+
+
 class RawPool:
     """Pipelined script calls on one pool (setup only: the measured paths use Coordinator)."""
 
@@ -140,9 +145,7 @@ class RawPool:
         self.client = SyncRedis.from_url(url, decode_responses=True)
         self.keys = PoolKeys(PREFIX, pool)
         self.columns = self.keys.columns
-        self.sha = {
-            name: str(self.client.script_load(script_source(name))) for name in SCRIPT_NAMES
-        }
+        self.sha = load_scripts(self.client)
 
     def many(
         self, name: str, calls: Iterable[tuple[list[Any], tuple[str, ...]]], batch: int = 500
@@ -234,7 +237,7 @@ class Recorder:
         """Send every recorded call again in pipelines of `batch`; the server's counters
         for them, and the share of calls whose status matched the recorded run's."""
         client = SyncRedis.from_url(url, decode_responses=True)
-        sha = {name: str(client.script_load(script_source(name))) for name in SCRIPT_NAMES}
+        sha = load_scripts(client)
         before = server_counters(client)
         replies: list[Any] = []
         for at in range(0, len(self.calls), batch):

@@ -90,13 +90,15 @@ local function candidate(i)
 end
 
 -- The order the walk visits the candidates in: the tied ones by slot from the first
--- after tie_last (wrapping round), then the rest as ranked.
-local order, tie_slots = {}, nil
+-- after tie_last (wrapping round), then the rest as ranked. With a tie, every
+-- candidate's slot is read here, once (false: not registered).
+local order, slots = {}, nil
 if ties >= 2 then
   local ids, tied = {}, {}
-  for i = 1, ties do ids[i], tied[i] = ARGV[G + 5 * (i - 1) + 1], i end
-  tie_slots = redis.call('HMGET', K_SLOT, unpack(ids))
-  local function slot_of(i) return tonumber(tie_slots[i]) or -1 end  -- -1: not registered
+  for i = 1, n do ids[i] = ARGV[G + 5 * (i - 1) + 1] end
+  for i = 1, ties do tied[i] = i end
+  slots = redis.call('HMGET', K_SLOT, unpack(ids))
+  local function slot_of(i) return tonumber(slots[i]) or -1 end
   table.sort(tied, function(a, b)
     local sa, sb = slot_of(a), slot_of(b)
     if sa ~= sb then return sa < sb end
@@ -111,14 +113,15 @@ end
 for i = #order + 1, n do order[i] = i end
 
 -- Candidate i's last_seen, slot and max_slots (false when missing): the first visited
--- one's by one HGET each (its slot from the tie's HMGET when tied; a node whose view
--- is current takes it); when the walk passes it over, all the others' by one HMGET
--- each.
+-- one's by one HGET each (a node whose view is current takes it); when the walk
+-- passes it over, all the others' by one HMGET each. Slots read above are not read
+-- again.
 local looked, looked_at = nil, {}
 local function looked_up(i)
   local id = ARGV[G + 5 * (i - 1) + 1]
   if i == order[1] then
-    local slot = tie_slots and tie_slots[i] or redis.call('HGET', K_SLOT, id)
+    local slot
+    if slots then slot = slots[i] else slot = redis.call('HGET', K_SLOT, id) end
     return redis.call('HGET', K_LAST_SEEN, id), slot,
       enforce and redis.call('HGET', K_MAX_SLOTS, id)
   end
@@ -129,11 +132,13 @@ local function looked_up(i)
       looked_at[order[k]] = k - 1
     end
     looked = {redis.call('HMGET', K_LAST_SEEN, unpack(ids)),
-      redis.call('HMGET', K_SLOT, unpack(ids)),
+      not slots and redis.call('HMGET', K_SLOT, unpack(ids)),
       enforce and redis.call('HMGET', K_MAX_SLOTS, unpack(ids)) or {}}
   end
   local at = looked_at[i]
-  return looked[1][at], looked[2][at], looked[3][at]
+  local slot
+  if slots then slot = slots[i] else slot = looked[2][at] end
+  return looked[1][at], slot, looked[3][at]
 end
 
 local m, err = 0, nil
