@@ -518,7 +518,7 @@ def pipelined_cycles(url: str, pool: str, requests: int) -> dict[str, float]:
     def reserve_args(i: int, rid: str) -> list[Any]:
         args: list[Any] = [rid, node, 512, 128, 0, 0, SETTINGS.instance_ttl_ms, 0, "", k, 0]
         for c in range(k):  # observed as busy as can be: the first candidate is taken
-            args += [names[(i + c) % len(names)], 50, 2000, 10**12, 10**12]
+            args += [names[(i + c) % len(names)], 50, 2000, 10**12, 10**12, 0]
         return args
 
     before = server_counters(raw.client)

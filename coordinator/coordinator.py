@@ -93,6 +93,9 @@ TIMING_STEP = 32
 # Held marks and releases one call carries: 20-50 µs of Redis time each, so a burst
 # of completions (an engine that dropped its streams) goes in bounded calls.
 CARRY_STEP = 32
+# Values per candidate in reserve's arguments: id, prefill_ms, decode_ms and the
+# three guard bounds (lua/reserve.lua, coordinator/guard.py).
+CANDIDATE_ARGS = 6
 REAP_STEP = 50  # reservations one reap_node call may release (about 40 us each at 10k instances)
 
 
@@ -649,17 +652,20 @@ class Coordinator:
                 len(candidates),
                 ties,
             ]
-            for c, (max_inflight, max_pending) in zip(
-                candidates,
-                guard_bounds([self._cache.rows[c.id] for c in candidates], ranked_as, s.weights),
-                strict=True,
-            ):
+            bounds = guard_bounds(
+                [self._cache.rows[c.id] for c in candidates],
+                ranked_as,
+                s.weights,
+                self._cache.estimated_now_ms(),
+            )
+            for c, (max_inflight, max_pending, max_free_at) in zip(candidates, bounds, strict=True):
                 args += [
                     c.id,
                     c.spec.prefill_ms(request.uncached_on(c.id)),
                     c.spec.decode_ms(expected),
                     max_inflight,
                     max_pending,
+                    max_free_at,
                 ]
             carried = self._take_carried(rid)
             if self._carry:

@@ -9,21 +9,37 @@ from coordinator.settings import Weights
 
 
 def guard_bounds(
-    rows: Sequence[InstanceRow], request: RequestShape, weights: Weights
-) -> list[tuple[int, int]]:
-    """Per candidate (its row as the node sees it, best first), the most live and
-    prefill-phase reservations it may have when the reserve script looks and still be
-    taken: what the node observed (plus its affinity slack), raised to the least it
-    observed on any candidate ranked after it. A candidate that got busier is still
-    the better choice while it is no busier than the alternatives the node knows."""
-    bounds: list[tuple[int, int]] = []
+    rows: Sequence[InstanceRow], request: RequestShape, weights: Weights, now_ms: int
+) -> list[tuple[int, int, int]]:
+    """Per candidate (its row as the node sees it, best first, at Redis time `now_ms`),
+    the bounds lua/reserve.lua takes it within:
+
+    - the most live and prefill-phase reservations it may have: what the node observed
+      (plus its affinity slack), raised to the least it observed on any candidate
+      ranked after it. A candidate that got busier is still the better choice while it
+      is no busier than the alternatives the node knows;
+    - when the weights rank on predicted TTFT (`ttft_ms` > 0), the latest its prefill
+      may be busy until (`prefill_free_at_ms`, Redis ms; 0 = no bound): the start that
+      keeps this request's predicted TTFT there (queued prefill ahead + its own uncached
+      prefill) no longer than it saw there, raised to the shortest it saw on any
+      candidate ranked after it. Counts alone let a node with a view a few hundred ms
+      old queue a short prompt behind a multi-second prefill another node just put on
+      an instance that held one decoding request, the same count as the others."""
+    bounds: list[tuple[int, int, int]] = []
     floor_inflight = floor_pending = -1  # -1: no later candidate yet
+    floor_ttft: int | None = None
     for row in reversed(rows):
         slack = affinity_slack(row.spec, request, weights)
         inflight, pending = row.inflight + slack, row.pending_prefill + slack
-        bounds.append((max(inflight, floor_inflight), max(pending, floor_pending)))
+        own = row.spec.prefill_ms(request.uncached_on(row.id))
+        ttft = max(now_ms, row.prefill_free_at_ms) - now_ms + own
+        max_free_at = 0
+        if weights.ttft_ms > 0:
+            max_free_at = now_ms + max(ttft, ttft if floor_ttft is None else floor_ttft) - own
+        bounds.append((max(inflight, floor_inflight), max(pending, floor_pending), max_free_at))
         floor_inflight = inflight if floor_inflight < 0 else min(floor_inflight, inflight)
         floor_pending = pending if floor_pending < 0 else min(floor_pending, pending)
+        floor_ttft = ttft if floor_ttft is None else min(floor_ttft, ttft)
     bounds.reverse()
     return bounds
 

@@ -662,7 +662,9 @@ class Simulation:
         for attempt in range(c.reserve_retries + 1):
             candidates, ties = self._rank(node, shape, now).for_reserve(c.top_k)
             assert candidates, "every simulated instance stays alive"
-            bounds = guard_bounds([view.rows[cand.id] for cand in candidates], shape, c.weights)
+            bounds = guard_bounds(
+                [view.rows[cand.id] for cand in candidates], shape, c.weights, now
+            )
             # The walk: the tied candidates by slot (here: index) from the first after
             # the one the pool's last reservation with ties took, then the rest.
             tied = sorted(range(ties), key=lambda i: self.index[candidates[i].id])
@@ -674,7 +676,8 @@ class Simulation:
                 self.forced += attempt == c.reserve_retries
                 return self._taken(candidates[least], ties)
             for i in walk:
-                if self.state.within(candidates[i].id, *bounds[i]):
+                max_inflight, max_pending, max_free_at = bounds[i]
+                if self.state.within(candidates[i].id, max_inflight, max_pending, max_free_at, now):
                     return self._taken(candidates[i], ties)
             # Every candidate got busier: the least busy, if at or below the pool's mean.
             total = sum(self.state.inflight(iid) for iid in self.ids)

@@ -21,13 +21,16 @@
 --   by a rotation of its own that the others' collide with. 0 or 1: no ties.
 -- ARGV[12 ..] = n groups of
 --   {instance id, prefill_ms (ms, <= 86400000), decode_ms (ms, <= 86400000),
---    max inflight, max pending_prefill}: the most live reservations (both phases) and
---   prefill-phase reservations the candidate may have now and still be taken. The
+--    max inflight, max pending_prefill, max prefill_free_at}: the most live
+--   reservations (both phases) and prefill-phase reservations the candidate may have
+--   now, and the latest its prefill may be busy until (Redis ms; 0 = no bound; an
+--   instance whose prefill is free now always passes), and still be taken. The
 --   caller sends what it observed, raised to the least it observed on any candidate
---   ranked after this one (so a candidate is still taken while it is no busier than
---   the alternatives the caller knows: a stale view costs no retry as long as its
---   order holds). A group is checked only when the script looks at its candidate.
--- ARGV[12 + 5n] (optional) = m (<= 64), then m pairs {'f' | 'r', rid}: first-token marks and
+--   ranked after this one (coordinator/guard.py: so a candidate is still taken while
+--   it is no busier, and would start this request's prefill no later, than the
+--   alternatives the caller knows: a stale view costs no retry as long as its order
+--   holds). A group is checked only when the script looks at its candidate.
+-- ARGV[12 + 6n] (optional) = m (<= 64), then m pairs {'f' | 'r', rid}: first-token marks and
 --   releases of this node's reservations that ride along with this call (the node
 --   holds them back a few ms for its next reserve, so a request costs one call, not
 --   three). They are applied in order, whatever this call's status: after it decided
@@ -68,22 +71,23 @@ if ttl == nil then return fail('bad_arg', 'ttl_ms') end
 local lease_ms = int_arg(ARGV[8], 86400000)
 if lease_ms == nil then return fail('bad_arg', 'lease_ms') end
 local n = int_arg(ARGV[10], 64)
-if n == nil or n < 1 or #ARGV < 11 + 5 * n then
-  return fail('bad_arg', 'candidates: expected n >= 1 groups of 5')
+if n == nil or n < 1 or #ARGV < 11 + 6 * n then
+  return fail('bad_arg', 'candidates: expected n >= 1 groups of 6')
 end
 local ties = int_arg(ARGV[11], n)
 if ties == nil then return fail('bad_arg', 'ties must be an integer in 0..n') end
-local G = 11  -- candidate i's group is ARGV[G + 5(i - 1) + 1 .. G + 5i]
+local G = 11  -- candidate i's group is ARGV[G + 6(i - 1) + 1 .. G + 6i]
 -- Candidate i's group, or nil when one of its numbers is not valid. The id needs no
 -- pattern check: one that is not registered is never alive, so never chosen or written.
 local function candidate(i)
-  local base = G + 5 * (i - 1)
+  local base = G + 6 * (i - 1)
   local c = {id = ARGV[base + 1],
     prefill_ms = int_arg(ARGV[base + 2], MAX_PREDICTED_MS),
     decode_ms = int_arg(ARGV[base + 3], MAX_PREDICTED_MS),
-    max_inflight = int_arg(ARGV[base + 4]), max_pending = int_arg(ARGV[base + 5])}
+    max_inflight = int_arg(ARGV[base + 4]), max_pending = int_arg(ARGV[base + 5]),
+    max_free_at = int_arg(ARGV[base + 6])}
   if c.prefill_ms == nil or c.decode_ms == nil or c.max_inflight == nil
-    or c.max_pending == nil then
+    or c.max_pending == nil or c.max_free_at == nil then
     return nil
   end
   return c
@@ -95,7 +99,7 @@ end
 local order, slots = {}, nil
 if ties >= 2 then
   local ids, tied = {}, {}
-  for i = 1, n do ids[i] = ARGV[G + 5 * (i - 1) + 1] end
+  for i = 1, n do ids[i] = ARGV[G + 6 * (i - 1) + 1] end
   for i = 1, ties do tied[i] = i end
   slots = redis.call('HMGET', K_SLOT, unpack(ids))
   local function slot_of(i) return tonumber(slots[i]) or -1 end
@@ -118,7 +122,7 @@ for i = #order + 1, n do order[i] = i end
 -- again.
 local looked, looked_at = nil, {}
 local function looked_up(i)
-  local id = ARGV[G + 5 * (i - 1) + 1]
+  local id = ARGV[G + 6 * (i - 1) + 1]
   if i == order[1] then
     local slot
     if slots then slot = slots[i] else slot = redis.call('HGET', K_SLOT, id) end
@@ -128,7 +132,7 @@ local function looked_up(i)
   if not looked then
     local ids = {}
     for k = 2, n do
-      ids[k - 1] = ARGV[G + 5 * (order[k] - 1) + 1]
+      ids[k - 1] = ARGV[G + 6 * (order[k] - 1) + 1]
       looked_at[order[k]] = k - 1
     end
     looked = {redis.call('HMGET', K_LAST_SEEN, unpack(ids)),
@@ -142,8 +146,8 @@ local function looked_up(i)
 end
 
 local m, err = 0, nil
-if #ARGV > G + 5 * n then
-  m, err = carried_count(G + 5 * n + 1)
+if #ARGV > G + 6 * n then
+  m, err = carried_count(G + 6 * n + 1)
   if m == nil then return err end
 end
 
@@ -157,7 +161,7 @@ local saw_alive, saw_full, min_slot_ms = false, false, nil
 -- A retry elsewhere reserves again under the rid its carried release ends.
 local rid_released = false
 for i = 1, m do
-  local at = G + 5 * n + 1 + 2 * i
+  local at = G + 6 * n + 1 + 2 * i
   if ARGV[at - 1] == 'r' and ARGV[at] == rid then rid_released = true end
 end
 if (leased or lease_ms > 0) and not rid_released then
@@ -185,7 +189,8 @@ if (leased or lease_ms > 0) and not existing then
         if min_slot_ms == nil or wait < min_slot_ms then min_slot_ms = wait end
       else
         if least == nil or inflight < least_st.base then least, least_st = c, st end
-        if not force and inflight <= c.max_inflight and st.pending <= c.max_pending then
+        if not force and inflight <= c.max_inflight and st.pending <= c.max_pending
+            and (c.max_free_at == 0 or st.free_at <= math.max(now, c.max_free_at)) then
           chosen, chosen_st = c, st
           break
         end
@@ -201,7 +206,7 @@ if (leased or lease_ms > 0) and not existing then
 end
 
 -- Then write: the carried transitions first, whatever the status.
-local carried, bumps = apply_carried(G + 5 * n + 1, m, KEYS[17], now)
+local carried, bumps = apply_carried(G + 6 * n + 1, m, KEYS[17], now)
 local run = pool_counts().run or run_id(now)
 local spec_gen = pool_counts().spec_gen
 local function view(patch)

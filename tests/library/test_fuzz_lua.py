@@ -205,7 +205,8 @@ def calls(draw: st.DrawFn, name: str) -> Call:
         ]
         for _ in range(n):
             candidate = draw(st.sampled_from(INSTANCES) | ids)
-            args += [candidate, draw(ms), draw(ms), draw(counts), draw(counts)]
+            free_at = draw(st.sampled_from(["0", "1", "4398046511103"]) | ms)
+            args += [candidate, draw(ms), draw(ms), draw(counts), draw(counts), free_at]
         if draw(st.booleans()):
             args += draw(transitions)
         return draw(mutate(name, args))
@@ -381,7 +382,7 @@ BASE_CALLS: dict[str, list[str]] = {
     "sweep": ["500"],
     "reserve": [
         *("r-new", NODE, "100", "10", "1", "1", "600000", "0", "", "1", "0"),
-        *("i0", "15", "20", "0", "0"),
+        *("i0", "15", "20", "0", "0", "0"),
         *("1", "f", PREFILL_RID),  # one carried first-token mark
     ],
     "mark_first_token": [PREFILL_RID],

@@ -251,10 +251,11 @@ def _reserve_args(
     node: str, rid: str, groups: list[tuple[str, int, int]], ties: int = 0
 ) -> list[object]:
     """The reserve script's arguments (its header), enforcing max_slots, for candidates
-    (id, max inflight, max pending_prefill) in rank order, the first `ties` tied."""
+    (id, max inflight, max pending_prefill) in rank order, the first `ties` tied, with
+    no bound on their prefill's free-at."""
     args: list[object] = [rid, node, 10, 10, 0, 1, 600_000, 600_000, "", len(groups), ties]
     for iid, max_inflight, max_pending in groups:
-        args += [iid, 5, 100, max_inflight, max_pending]
+        args += [iid, 5, 100, max_inflight, max_pending, 0]
     return args
 
 
@@ -294,6 +295,31 @@ async def test_reserve_walks_past_candidates_it_cannot_take(
     per_instance = (await counters(c))["inflight"]
     assert per_instance == {"i0": 0, "i1": 1, "i2": 2, "i3": 3}, per_instance
     await assert_counters_match_reservations(c)
+
+
+@pytest.mark.parametrize(("preset", "taken"), [("ttft", {"i1", "i2"}), ("seed", {"i0"})])
+async def test_a_stale_view_does_not_queue_behind_a_prefill_it_missed(
+    make_coordinator: MakeCoordinator, preset: str, taken: set[str]
+) -> None:
+    """A node whose view predates another node's long prefill on its best candidate
+    (the fast i0, idle in the view, against i1 and i2 with one short prefill each)
+    skips it when it ranks on predicted TTFT: the count bounds alone let i0 through
+    (1 live, 1 prefilling: no more than the others), the prefill-free-at bound does
+    not. The seed's weights rank on counts and keep the count bounds only. Neither
+    costs a retry."""
+    setup = await make_coordinator("n0")
+    for i in range(3):
+        await setup.register_instance(spec(i, prefill_ms_per_token=0.05 if i == 0 else 0.1))
+    for iid in ("i1", "i2"):
+        await setup.reserve(100, 10, exclude={"i0", "i1", "i2"} - {iid})
+    late = await make_coordinator("n1", weights=Weights.preset(preset), snapshot_max_age_ms=600_000)
+    await late.refresh()
+    long = await setup.reserve(100_000, 10, exclude={"i1", "i2"})
+    assert (long.instance_id, long.prefill_ms) == ("i0", 5005)
+    res = await late.reserve(100, 10)
+    assert res.instance_id in taken
+    assert late.stats.reserve_retries == 0
+    await assert_counters_match_reservations(late)
 
 
 async def test_tied_candidates_are_taken_in_the_pools_turn(
