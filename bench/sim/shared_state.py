@@ -228,16 +228,14 @@ class SharedState:
         """Every instance's row, in registration order."""
         return [self.row(iid) for iid in self._instances]
 
-    def within(
-        self, instance_id: str, max_inflight: int, max_pending: int, max_free_at: int, now_ms: int
-    ) -> bool:
-        """reserve.lua's check of an unforced candidate: within its bounds (guard.py)."""
+    def within(self, instance_id: str, max_inflight: int, max_pending: int) -> bool:
+        """reserve.lua's check of an unforced candidate's count bounds (guard.py)."""
         inst = self._instances[instance_id]
-        return (
-            inst.inflight <= max_inflight
-            and inst.pending_prefill <= max_pending
-            and (max_free_at == 0 or inst.prefill_free_at_ms <= max(now_ms, max_free_at))
-        )
+        return inst.inflight <= max_inflight and inst.pending_prefill <= max_pending
+
+    def prefill_free_at(self, instance_id: str) -> int:
+        """When the instance's queued prefill work ends (what the free-at bound checks)."""
+        return self._instances[instance_id].prefill_free_at_ms
 
     def inflight(self, instance_id: str) -> int:
         """Live reservations of one instance (what a forced reserve compares)."""

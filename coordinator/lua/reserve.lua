@@ -1,5 +1,7 @@
 -- reserve: claim the first ranked candidate that is no busier than the caller saw it
--- (or, when every one got busier, the least busy if it is at or below the pool's mean).
+-- (or, when every one got busier: of those with no more reservations than their
+-- bounds, the one that starts this request's prefill soonest; else the least busy if
+-- it is at or below the pool's mean).
 -- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
 -- KEYS[17] = {pool}:node:<node>:rids  the calling node's reservation set
 -- ARGV[1] = rid (request id, [A-Za-z0-9._:-], <= 128 chars)
@@ -40,8 +42,8 @@
 -- returns {'ok'|'dup', instance, epoch, predicted_ttft_ms, prefill_ms, decode_ms,
 --          carried, view}
 --       | {'nolease', carried, view}  ARGV[8] = 0 and the node's lease is gone
---       | {'stale', carried, view}    every candidate got busier since it was observed,
---                                     and the least busy has more live reservations
+--       | {'stale', carried, view}    every candidate has more reservations than its
+--                                     bounds, and the least busy has more live reservations
 --                                     than the pool's mean (meta inflight_total over
 --                                     the registered instances)
 --       | {'full', next_slot_in_ms, carried, view}  every alive candidate is at max_slots
@@ -168,12 +170,16 @@ if (leased or lease_ms > 0) and not rid_released then
   existing = redis.call('HGET', K_RES, rid)
 end
 if (leased or lease_ms > 0) and not existing then
-  -- Unforced: the first alive candidate no busier than its bounds. Forced (the last
-  -- try): the alive candidate with the fewest live reservations now, first on ties.
-  -- Unforced with every candidate busier than its bounds: the one with the fewest
-  -- live reservations now, when it has no more than the pool's mean (taking it cannot
-  -- make it the busiest; a view many changes behind then costs no second call).
+  -- Unforced: the first alive candidate within its bounds. Forced (the last try): the
+  -- alive candidate with the fewest live reservations now, first on ties. Unforced
+  -- with none within all its bounds: of those within their count bounds, the one that
+  -- would start this request's prefill soonest (its prefill got busier than the node
+  -- saw, as every other's did); with none within its count bounds either, the one
+  -- with the fewest live reservations now, when it has no more than the pool's mean
+  -- (taking it cannot make it the busiest). A view many changes behind then costs no
+  -- second call.
   local least, least_st = nil, nil
+  local timed, timed_st, timed_ttft = nil, nil, nil
   for _, i in ipairs(order) do
     local c = candidate(i)
     if c == nil then return fail('bad_arg', 'candidate ' .. i) end
@@ -189,16 +195,21 @@ if (leased or lease_ms > 0) and not existing then
         if min_slot_ms == nil or wait < min_slot_ms then min_slot_ms = wait end
       else
         if least == nil or inflight < least_st.base then least, least_st = c, st end
-        if not force and inflight <= c.max_inflight and st.pending <= c.max_pending
-            and (c.max_free_at == 0 or st.free_at <= math.max(now, c.max_free_at)) then
-          chosen, chosen_st = c, st
-          break
+        if not force and inflight <= c.max_inflight and st.pending <= c.max_pending then
+          if c.max_free_at == 0 or st.free_at <= math.max(now, c.max_free_at) then
+            chosen, chosen_st = c, st
+            break
+          end
+          local ttft = math.max(now, st.free_at) + c.prefill_ms
+          if timed == nil or ttft < timed_ttft then timed, timed_st, timed_ttft = c, st, ttft end
         end
       end
     end
   end
   if force then
     chosen, chosen_st = least, least_st
+  elseif chosen == nil and timed ~= nil then
+    chosen, chosen_st = timed, timed_st
   elseif chosen == nil and least ~= nil
       and least_st.base * redis.call('HLEN', K_SLOT) <= pool_counts().total then
     chosen, chosen_st = least, least_st

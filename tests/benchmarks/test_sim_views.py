@@ -34,12 +34,9 @@ def test_a_view_sees_a_peers_reservation_only_when_it_reads_again() -> None:
     view.ensure(1001)  # older than max_age_ms: read again
     assert view.rows["i1"].inflight == 1
     # The reserve script's check of an unforced candidate, on the state as it is.
-    assert state.within("i1", 1, 1, 0, 1001) and not state.within("i1", 0, 1, 0, 1001)
-    assert not state.within("i0", 2, 1, 0, 1001) and state.inflight("i0") == 2
-    # peer2's prefill keeps i1 busy until 715: a bound before that refuses it while
-    # the prefill runs; a free prefill passes whatever the bound.
-    assert not state.within("i1", 1, 1, 714, 705) and state.within("i1", 1, 1, 715, 705)
-    assert state.within("i1", 1, 1, 1, 715) and not state.within("i1", 1, 1, 1, 714)
+    assert state.within("i1", 1, 1) and not state.within("i1", 0, 1)
+    assert not state.within("i0", 2, 1) and state.inflight("i0") == 2
+    assert state.prefill_free_at("i1") == 715  # peer2's prefill, from 700
 
 
 def test_hints_reach_a_view_only_with_a_liveness_read() -> None:

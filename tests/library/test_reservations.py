@@ -248,14 +248,14 @@ async def test_cached_tokens_rank_and_predict_only_the_uncached_prefill(
 
 
 def _reserve_args(
-    node: str, rid: str, groups: list[tuple[str, int, int]], ties: int = 0
+    node: str, rid: str, groups: list[tuple[str, int, int]], ties: int = 0, free_at: int = 0
 ) -> list[object]:
     """The reserve script's arguments (its header), enforcing max_slots, for candidates
-    (id, max inflight, max pending_prefill) in rank order, the first `ties` tied, with
-    no bound on their prefill's free-at."""
+    (id, max inflight, max pending_prefill) in rank order, the first `ties` tied, each
+    with the bound `free_at` on its prefill's free-at (0: none)."""
     args: list[object] = [rid, node, 10, 10, 0, 1, 600_000, 600_000, "", len(groups), ties]
     for iid, max_inflight, max_pending in groups:
-        args += [iid, 5, 100, max_inflight, max_pending, 0]
+        args += [iid, 5, 100, max_inflight, max_pending, free_at]
     return args
 
 
@@ -320,6 +320,27 @@ async def test_a_stale_view_does_not_queue_behind_a_prefill_it_missed(
     assert res.instance_id in taken
     assert late.stats.reserve_retries == 0
     await assert_counters_match_reservations(late)
+
+
+async def test_candidates_past_their_free_at_bound_yield_the_soonest_start(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Every candidate within its count bounds but busy past its free-at bound: the
+    script takes the one that starts the prefill soonest (i1, 1 s queued, over i0's
+    10 s), not the first, and costs no retry; within its free-at bound, the first."""
+    c = await make_coordinator("n1")
+    for i in range(2):
+        await c.register_instance(spec(i))
+    for iid, prompt in (("i0", 100_000), ("i1", 10_000)):
+        await c.reserve(prompt, 10, exclude={"i0", "i1"} - {iid})
+    rids = c.keys.node_rids("n1")
+    both = [("i0", 99, 99), ("i1", 99, 99)]
+    reply = await c._direct_call("reserve", _reserve_args("n1", "s1", both, free_at=1), (rids,))
+    assert reply[:2] == ["ok", "i1"]
+    never = 4398046511103  # the largest time a record holds
+    reply = await c._direct_call("reserve", _reserve_args("n1", "s2", both, free_at=never), (rids,))
+    assert reply[:2] == ["ok", "i0"]
+    await assert_counters_match_reservations(c)
 
 
 async def test_tied_candidates_are_taken_in_the_pools_turn(
