@@ -77,12 +77,18 @@ def live_default(conv: Path, args: argparse.Namespace) -> str:
         "pending multi-second prefill of a long prompt counts about as much as one more "
         "request and short requests queue behind it. `ttft` keeps the seed's layers and "
         "ranks on this request's predicted TTFT on each candidate (backlog + its own "
-        "prefill there, learned per instance) at 0.2 per ms. The simulated section "
+        "prefill there, learned per instance) at 0.2 per ms, and its reserve bounds how "
+        "long each candidate's prefill may have got busy since the node's view was read "
+        "(coordinator/guard.py: with counts alone, a node whose view was a few hundred "
+        "ms old queued short prompts behind multi-second prefills other nodes had just "
+        "placed: this section's run before it had the wait p99 at 0.83x round robin's "
+        "at 0.8). The simulated section "
         "compares both with round robin across utilizations on every trace. A sweep of the "
-        "`ttft_ms` weight on the conversation trace (2,000 requests, wait p99 ms at "
-        "utilization 0.8 / 0.95): 0.05 gave 40 / 55, 0.1 gave 25 / 26, 0.2 gave 16 / 18, "
-        "0.5 gave 15 / 17, and round robin 140 / 171; on the mixed fleet 0.5 already "
-        "raised TTFT p99 at 0.95 (252 ms vs 225 at 0.2), so 0.2.",
+        "`ttft_ms` weight in the simulated twin of this fleet (2,000 requests of the "
+        "conversation trace, wait p99 ms at utilization 0.8 / 0.95): 0.05 gave 29 / 54, "
+        "0.1 gave 20 / 30, 0.2 gave 15 / 17, 0.5 gave 15 / 17, and round robin 140 / 171; "
+        "on the simulated mixed fleet 0.5 raised TTFT p99 at 0.8 (339 ms vs 306 at 0.2) "
+        "and wait p99 at 0.95 (100 ms vs 61), so 0.2.",
     ]
     for utilization in (0.8, 0.95):
         config = LiveConfig(

@@ -1,0 +1,55 @@
+"""The bounds a node sends with its candidates (coordinator/guard.py), as pure math."""
+
+from __future__ import annotations
+
+from coordinator.guard import guard_bounds
+from coordinator.models import InstanceRow, RequestShape
+from coordinator.settings import Weights
+from tests.helpers import spec
+
+NOW = 1_000_000
+
+
+def row(i: int, inflight: int, pending: int, free_at: int, per_token: float) -> InstanceRow:
+    return InstanceRow(
+        id=f"i{i}",
+        spec=spec(i, prefill_ms_per_token=per_token, prefill_overhead_ms=5.0),
+        epoch=1,
+        last_seen_ms=NOW,
+        max_slots=0,
+        inflight=inflight,
+        pending_prefill=pending,
+        active_decode=inflight - pending,
+        prefill_free_at_ms=free_at,
+        earliest_end_at_ms=None,
+    )
+
+
+# Best first as a node ranked them: i0 idle and fast (own prefill of 100 tokens 10 ms),
+# i1 busy until NOW + 20 (own 15 ms: TTFT 35), i2 until NOW + 5 (own 15: TTFT 20).
+ROWS = [row(0, 0, 0, NOW - 50, 0.05), row(1, 2, 1, NOW + 20, 0.1), row(2, 1, 1, NOW + 5, 0.1)]
+
+
+def test_bounds_are_what_the_node_saw_raised_to_the_best_alternative_after_it() -> None:
+    bounds = guard_bounds(ROWS, RequestShape(100, 10), Weights.preset("ttft"), NOW)
+    # Counts: own, raised to the least later (i0: 0 -> 1 live, 0 -> 1 prefilling).
+    # Free-at: the start that keeps the TTFT within max(own, the shortest later), less
+    # its own prefill: i0 may start by NOW + 20 - 10, i1 by NOW + 35 - 15 (its own
+    # TTFT is the longer), i2 by NOW + 20 - 15 (the last: its own).
+    assert bounds == [(1, 1, NOW + 10), (2, 1, NOW + 20), (1, 1, NOW + 5)]
+
+
+def test_weights_that_do_not_rank_on_ttft_send_no_free_at_bound() -> None:
+    bounds = guard_bounds(ROWS, RequestShape(100, 10), Weights.preset("seed"), NOW)
+    assert bounds == [(1, 1, 0), (2, 1, 0), (1, 1, 0)]
+
+
+def test_a_cached_prefix_counts_only_the_uncached_prefill() -> None:
+    """i1 holds 90 of the 100 tokens: its own prefill is 6 ms (TTFT 26), so it may
+    gain requests (affinity slack) and its bound starts from the shorter prefill."""
+    request = RequestShape(100, 10, {"i1": 90})
+    bounds = guard_bounds(ROWS, request, Weights.preset("ttft"), NOW)
+    slack = bounds[1][0] - 2
+    assert slack > 0 and bounds[1][1] == 1 + slack
+    assert bounds[1][2] == NOW + 26 - 6
+    assert bounds[0] == (1, 1, NOW + 10)  # the shortest later TTFT is still i2's 20
