@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from bench.docs import add_write_docs  # noqa: E402
 from coordinator import Coordinator, InstanceSpec, Settings  # noqa: E402
 from coordinator.connection import connect_redis  # noqa: E402
 from coordinator.coordinator import (  # noqa: E402
+    CANDIDATE_ARGS,
     CARRY_STEP,
     REAP_STEP,
     SPEC_READ_STEP,
@@ -45,7 +47,7 @@ from coordinator.coordinator import (  # noqa: E402
 from coordinator.keys import COLUMNS, PoolKeys  # noqa: E402
 from coordinator.outliers import OutlierPolicy  # noqa: E402
 from coordinator.packed import STATE_BYTES  # noqa: E402
-from coordinator.scripts import SCRIPT_NAMES, script_source  # noqa: E402
+from coordinator.scripts import SCRIPT_NAMES, script_source, with_prelude  # noqa: E402
 from coordinator.timing import flush_interval_ms  # noqa: E402
 from local_fleet.embedded import EmbeddedRedis  # noqa: E402
 from local_fleet.pools import delete_pool  # noqa: E402
@@ -534,9 +536,74 @@ def pipelined_cycles(url: str, pool: str, requests: int) -> dict[str, float]:
 
 
 def request_call_args() -> int:
-    """Arguments of a proxied request's one call: reserve's 11, a group of 5 per
-    candidate, then the carried mark and release (a count and 2 pairs)."""
-    return 11 + 5 * SETTINGS.top_k + 1 + 2 * 2
+    """Arguments of a proxied request's one call: reserve's 11, a group of
+    CANDIDATE_ARGS per candidate, then the carried mark and release (a count and 2
+    pairs)."""
+    return 11 + CANDIDATE_ARGS * SETTINGS.top_k + 1 + 2 * 2
+
+
+# Where reserve.lua is cut to time its parts: after its arguments are read and its
+# walk order is set, and after its decision (before anything is written).
+RESERVE_CUTS = (
+    ("args", "local m, err = 0, nil"),
+    ("decided", "-- Then write: the carried transitions first"),
+)
+
+
+def reserve_breakdown(url: str, pool: str, calls: int) -> dict[str, float]:
+    """Where a proxied request's one call spends its time inside Redis (EVALSHA usec
+    per call, pipelined, on a pool with 8 live reservations per instance of the first
+    64): `reserve` cut after reading its arguments, cut after deciding (both write
+    nothing, so each call sees the same state), and whole, carrying the previous
+    request's first-token mark and the release of the one 8 before; for the whole
+    call also its commands' own usec and count (commandstats)."""
+    raw = RawPool(url, pool)
+    node = "parts"
+    rids_key = raw.keys.node_rids(node)
+    raw.many("renew_lease", [([node, SETTINGS.lease_ms], ())])
+    k, names = SETTINGS.top_k, [instance_spec(i).id for i in range(64)]
+
+    def args(i: int, rid: str, carried: list[str]) -> list[Any]:
+        out: list[Any] = [rid, node, 512, 128, 0, 1, SETTINGS.instance_ttl_ms, 0, "", k, 0]
+        for c in range(k):  # observed as busy as can be: the first candidate is taken
+            out += [names[(i + c) % len(names)], 50, 2000, 10**12, 10**12, 0]
+        return [*out, len(carried) // 2, *carried]
+
+    warm = [f"warm-{i}" for i in range(8 * len(names))]
+    raw.many("reserve", ((args(i, rid, []), (rids_key,)) for i, rid in enumerate(warm)))
+    body = (resources.files("coordinator") / "lua" / "reserve.lua").read_text()
+    keys = [*raw.columns, rids_key]
+    out: dict[str, float] = {}
+    for name, marker in RESERVE_CUTS:
+        at = body.find(marker)
+        if at < 0:
+            raise RuntimeError(f"reserve.lua no longer has {marker!r}: update RESERVE_CUTS")
+        sha = raw.client.script_load(
+            with_prelude(f"{body[:at]}if true then return 1 end\n{body[at:]}")
+        )
+        pipe = raw.client.pipeline(transaction=False)
+        for i in range(calls):
+            carried = ["f", warm[i % len(warm)], "r", warm[(i + 7) % len(warm)]]
+            pipe.evalsha(sha, len(keys), *keys, *args(i, f"cut-{i}", carried))
+        before = server_counters(raw.client)
+        pipe.execute()
+        d = diff(server_counters(raw.client), before)
+        out[f"upto_{name}"] = d["usec"] / d["calls"]
+    live = warm[-8:]
+    cycles = []
+    for i in range(calls):
+        carried = ["f", live[-1], "r", live.pop(0)]
+        rid = f"whole-{i}"
+        cycles.append((args(i, rid, carried), (rids_key,)))
+        live.append(rid)
+    before = server_counters(raw.client)
+    raw.many("reserve", cycles)
+    d = diff(server_counters(raw.client), before)
+    raw.close()
+    out["whole"] = d["usec"] / d["calls"]
+    out["whole_inner"] = d["inner_usec"] / d["calls"]
+    out["whole_commands"] = (d["commands"] - d["calls"]) / d["calls"]
+    return out
 
 
 def script_floor(url: str, calls: int) -> dict[str, float]:
@@ -589,6 +656,8 @@ def measure_scripts(url: str, quick: bool) -> dict[str, Any]:
         register_pool(url, pool, instances, max_slots=0)
         out[instances] = asyncio.run(_per_script(url, pool, batch))
         out[instances].update(pipelined_cycles(url, pool, batch))
+        parts = reserve_breakdown(url, pool, batch)
+        out[instances].update({f"parts_{key}": value for key, value in parts.items()})
         delete_pool(url, pool, PREFIX)
         s = out[instances]
         print(
@@ -1280,6 +1349,28 @@ def reasons(r: Results) -> list[str]:
             "server and client pinned to one core (`taskset`), a PING measured 4.5 µs, "
             "against 27 µs on different cores, in an ad-hoc run of the same loop."
         )
+        for n in SIZES:
+            x = r.scripts[n]
+            if "parts_whole" not in x:
+                continue  # a saved run from before the breakdown
+            decide = x["parts_upto_decided"] - x["parts_upto_args"]
+            overhead = (x["parts_whole"] - x["parts_upto_args"] - x["parts_whole_inner"]) / x[
+                "parts_whole_commands"
+            ]
+            out.append(
+                f"- Inside that call at {n:,} instances (pipelined, a pool with 8 live "
+                f"reservations per instance): {x['parts_upto_args']:.0f} µs until its "
+                f"arguments are read (the prelude's definitions, {len(COLUMNS) + 1} keys, "
+                f"{request_call_args()} arguments), {decide:.0f} µs more to decide, "
+                f"{x['parts_whole'] - x['parts_upto_decided']:.0f} µs more to apply the "
+                "carried mark and release and write its reservation "
+                f"({x['parts_whole']:.0f} µs in all). Its {x['parts_whole_commands']:.0f} "
+                f"commands' own work is {x['parts_whole_inner']:.0f} µs: past the "
+                f"arguments, each `redis.call` costs about {overhead:.1f} µs beyond its "
+                "command's own work (argument and reply conversion, ACL and propagation "
+                "bookkeeping, the Lua around it), so the script's cost follows the number "
+                "of commands it runs, not the size of the pool."
+            )
         budget = CPU_TARGET_US[SIZES[0]]
         out.append(
             f"- With a proxied request's keys and arguments ({len(COLUMNS) + 1} keys, "

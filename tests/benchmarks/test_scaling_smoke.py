@@ -6,7 +6,8 @@ calls of at most one step (coordinator.coordinator.REAP_STEP, SWEEP_STEP) each, 
 restores one reservation per call, a new node reads a big pool's specs in steps
 (SPEC_READ_STEP), and a timing flush merges TIMING_STEP instances' samples per call.
 The cycle measurement's replay sends the very calls the nodes made, from the state
-they started on, and leaves the pool as the nodes left it.
+they started on, and leaves the pool as the nodes left it. The breakdown of a proxied
+request's call cuts the real reserve script where it says, and counts its commands.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 from redis import Redis
 
-from bench.scaling import Scale, _cycles, _stalls, register_pool
+from bench.scaling import Scale, _cycles, _stalls, register_pool, reserve_breakdown
 from coordinator import Settings
 from coordinator.coordinator import REAP_STEP, SPEC_READ_STEP, SWEEP_STEP, TIMING_STEP
 from coordinator.keys import PoolKeys
@@ -93,3 +94,21 @@ async def test_cycle_replay_repeats_the_run_and_restores_the_pool(server: Embedd
     assert [b - a for a, b in itertools.pairwise(versions)] == [3 * 40, 3 * 40]
     assert client.hlen(PoolKeys(Settings().key_prefix, "replay").column("reservations")) == 0
     client.close()
+
+
+def test_reserve_breakdown_cuts_the_real_script_and_counts_its_commands(
+    server: EmbeddedRedis,
+) -> None:
+    register_pool(server.url, "parts", 64)
+    parts = reserve_breakdown(server.url, "parts", 20)
+    assert set(parts) == {"upto_args", "upto_decided", "whole", "whole_inner", "whole_commands"}
+    assert all(value > 0 for value in parts.values())
+    # A proxied request's one call: reserve (TIME, the lease, the rid, meta, the first
+    # candidate's liveness, slot, max_slots and record, its epoch, then the record, the
+    # index, the node's set, the packed record and meta) = 14; the carried first-token
+    # mark (record, index out and in, epoch, slot, packed record read and write) = 8;
+    # the carried release (node's set, record, its deletion, index, epoch, slot, packed
+    # record read and write) = 8. Fewer when two of them touch one instance (its slot
+    # and record are read once); one more when a release ends the instance's earliest
+    # reservation (the index is read for the next).
+    assert 28 <= parts["whole_commands"] <= 32
