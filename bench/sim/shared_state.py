@@ -15,6 +15,7 @@ rewrote since, and the hints of its last liveness read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from coordinator.models import HINT_NAMES, Hint, InstanceRow, InstanceSpec
@@ -233,9 +234,39 @@ class SharedState:
         inst = self._instances[instance_id]
         return inst.inflight <= max_inflight and inst.pending_prefill <= max_pending
 
-    def prefill_free_at(self, instance_id: str) -> int:
-        """When the instance's queued prefill work ends (what the free-at bound checks)."""
-        return self._instances[instance_id].prefill_free_at_ms
+    def walk(
+        self,
+        candidates: Sequence[tuple[str, int, int, int, int]],
+        now_ms: int,
+    ) -> int | None:
+        """reserve.lua's unforced choice among `candidates` in the order it visits them,
+        each (id, prefill_ms, max inflight, max pending_prefill, max prefill_free_at):
+        the position of the first within all its bounds; else, of those within their
+        count bounds, the one that starts its prefill soonest; else the least busy when
+        it has no more live reservations than the pool's mean; None ('stale') else."""
+        timed: tuple[int, int] | None = None  # (prefill start + own prefill, position)
+        least: int | None = None
+        for i, (iid, prefill_ms, max_inflight, max_pending, max_free_at) in enumerate(candidates):
+            inst = self._instances[iid]
+            if least is None or inst.inflight < self.inflight(candidates[least][0]):
+                least = i
+            if not self.within(iid, max_inflight, max_pending):
+                continue
+            free_at = inst.prefill_free_at_ms
+            if max_free_at == 0 or free_at <= max(now_ms, max_free_at):
+                return i
+            ttft = max(now_ms, free_at) + prefill_ms
+            if timed is None or ttft < timed[0]:
+                timed = (ttft, i)
+        if timed is not None:
+            return timed[1]
+        total = sum(inst.inflight for inst in self._instances.values())
+        if (
+            least is not None
+            and self.inflight(candidates[least][0]) * len(self._instances) <= total
+        ):
+            return least
+        return None
 
     def inflight(self, instance_id: str) -> int:
         """Live reservations of one instance (what a forced reserve compares)."""

@@ -675,25 +675,19 @@ class Simulation:
             if attempt == c.reserve_retries or len(candidates) == 1:
                 self.forced += attempt == c.reserve_retries
                 return self._taken(candidates[least], ties)
-            timed: tuple[int, int] | None = None  # (prefill start + own prefill, i)
-            for i in walk:
-                iid = candidates[i].id
-                max_inflight, max_pending, max_free_at = bounds[i]
-                if not self.state.within(iid, max_inflight, max_pending):
-                    continue
-                free_at = self.state.prefill_free_at(iid)
-                if max_free_at == 0 or free_at <= max(now, max_free_at):
-                    return self._taken(candidates[i], ties)
-                ttft = max(now, free_at) + candidates[i].spec.prefill_ms(shape.uncached_on(iid))
-                if timed is None or ttft < timed[0]:
-                    timed = (ttft, i)
-            # Within their counts, none within its free-at: the soonest prefill start.
-            if timed is not None:
-                return self._taken(candidates[timed[1]], ties)
-            # Every candidate got busier: the least busy, if at or below the pool's mean.
-            total = sum(self.state.inflight(iid) for iid in self.ids)
-            if self.state.inflight(candidates[least].id) * len(self.ids) <= total:
-                return self._taken(candidates[least], ties)
+            at = self.state.walk(
+                [
+                    (
+                        candidates[i].id,
+                        candidates[i].spec.prefill_ms(shape.uncached_on(candidates[i].id)),
+                        *bounds[i],
+                    )
+                    for i in walk
+                ],
+                now,
+            )
+            if at is not None:
+                return self._taken(candidates[walk[at]], ties)
             self.stale_retries += 1
             view.read(now)  # a 'stale' reply carries the whole state
         raise AssertionError("unreachable: the last try is forced")

@@ -545,3 +545,52 @@ async def test_shared_state_matches_the_lua_scripts(make_coordinator: MakeCoordi
                 load.predicted_total_backlog_ms,
             ), (step, op, load.id)
     assert any(state.reservation(r) is None for r in rids)  # releases did happen
+
+
+async def test_the_reserve_walk_matches_the_lua_script(make_coordinator: MakeCoordinator) -> None:
+    """reserve.lua's choice among the candidates a node sends and the sim's
+    (SharedState.walk) agree, case by case, on the same state: the first within all its
+    bounds, the soonest prefill start among those within their counts when none is
+    within its free-at bound, the least busy at or below the pool's mean, and `stale`."""
+    c = await make_coordinator("n1")
+    rids_key = c.keys.node_rids("n1")
+    state = SharedState()
+    for k in range(3):
+        s = spec(k, prefill_ms_per_token=0.1, prefill_overhead_ms=5.0, decode_ms_per_token=10.0)
+        await c.register_instance(s)
+        state.register(s, int(await c.redis.hget(c.keys.column("last_seen_ms"), s.id)))
+    never = 4398046511103  # the largest time a record holds: no free-at bound that binds
+
+    async def reserve(rid: str, groups: list[tuple[str, int, int, int, int]]) -> str | None:
+        """Both sides on one ranked list (id, prefill_ms, max inflight, max pending,
+        max free-at): the instance each took (None: stale), the sim mirroring a take."""
+        args: list[object] = [rid, "n1", 100, 10, 0, 0, 600_000, 600_000, "", len(groups), 0]
+        for iid, prefill_ms, *bounds in groups:
+            args += [iid, prefill_ms, 100, *bounds]
+        now = await redis_now(c)
+        at = state.walk(groups, now)
+        reply = await c._direct_call("reserve", args, (rids_key,))
+        taken = str(reply[1]) if reply[0] == "ok" else None
+        assert taken == (None if at is None else groups[at][0]), (rid, reply[0], at)
+        if taken is not None:
+            created = (await live_reservations(c))[rid]["created_ms"]
+            prefill = next(g[1] for g in groups if g[0] == taken)
+            state.reserve(rid, "n1", taken, 100, 10, prefill, 100, created)
+            ours, theirs = sim_state(state, ["i0", "i1", "i2"], set()), await lua_state(c)
+            assert (ours["columns"], ours["earliest_end"]) == (
+                theirs["columns"],
+                theirs["earliest_end"],
+            )
+        return taken
+
+    # i0 prefills for 10 s, i1 for 1 s, i2 is idle.
+    assert await reserve("load0", [("i0", 10_005, never, never, never)]) == "i0"
+    assert await reserve("load1", [("i1", 1_005, never, never, never)]) == "i1"
+    # Busy past their free-at bounds: the next within all its bounds.
+    assert await reserve("w1", [(f"i{k}", 50, 9, 9, 1) for k in range(3)]) == "i2"
+    # None within its free-at bound: the one that starts the prefill soonest.
+    assert await reserve("w2", [("i0", 50, 9, 9, 1), ("i1", 50, 9, 9, 1)]) == "i1"
+    # None within its counts: the least busy (i0, 1 live) at or below the mean (4 / 3).
+    assert await reserve("w3", [("i1", 50, 0, 0, 0), ("i0", 50, 0, 0, 0)]) == "i0"
+    # Every one above its counts and the least busy (i1, 2 live, first) above the mean.
+    assert await reserve("w4", [("i1", 50, 0, 0, 0), ("i0", 50, 0, 0, 0)]) is None

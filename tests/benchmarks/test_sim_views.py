@@ -36,7 +36,7 @@ def test_a_view_sees_a_peers_reservation_only_when_it_reads_again() -> None:
     # The reserve script's check of an unforced candidate, on the state as it is.
     assert state.within("i1", 1, 1) and not state.within("i1", 0, 1)
     assert not state.within("i0", 2, 1) and state.inflight("i0") == 2
-    assert state.prefill_free_at("i1") == 715  # peer2's prefill, from 700
+    assert state.row("i1").prefill_free_at_ms == 715  # peer2's prefill, from 700
 
 
 def test_hints_reach_a_view_only_with_a_liveness_read() -> None:
