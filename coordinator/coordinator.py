@@ -85,7 +85,8 @@ UNAVAILABLE = (
 MAX_TOKENS = 10_000_000
 NOSCRIPT_RETRIES = 3  # extra loads when scripts are flushed again mid-call
 SPEC_READ_STEP = 250  # instances per read_specs call: about 2 ms at 10k instances
-SWEEP_STEP = 500  # void records one sweep call may delete (about 3 us each)
+# Void records one sweep call may delete (3-12 us each: 500 took 5.8 ms on a slow spell).
+SWEEP_STEP = 250
 TIMING_MAX_AGE_MS = 86_400_000  # a pool's learned timing expires after a day unmerged
 # Timing batches merged per merge_timing call: about 25 µs of Redis time each, so a
 # call stays near 1 ms (a busy node on a big pool can hold a batch for every instance).
@@ -96,7 +97,9 @@ CARRY_STEP = 32
 # Values per candidate in reserve's arguments: id, prefill_ms, decode_ms and the
 # three guard bounds (lua/reserve.lua, coordinator/guard.py).
 CANDIDATE_ARGS = 6
-REAP_STEP = 50  # reservations one reap_node call may release (about 40 us each at 10k instances)
+# Reservations one reap_node call may release (40-115 us each at 10k instances: 50 took
+# 5.7 ms on a slow spell of this 2-core VM, so half that keeps a step below 5 ms).
+REAP_STEP = 25
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ local HINTS = {'engine_running', 'engine_waiting', 'queue_depth'}
 -- live: last_seen_ms (6), then per hint: value*1000 (4, saturating), at_ms (6; 0 = none)
 local STATE_BYTES, LIVE_BYTES = 24, 36
 local SPEC_LOG_MAX = 10000  -- spec changes kept for incremental readers; older: full read
-local SWEEP_BUDGET = 500  -- reservations one call may void; the rest is swept later
+local SWEEP_BUDGET = 250  -- reservations one call may void; the rest is swept later
 
 local function now_ms()
   local t = redis.call('TIME')

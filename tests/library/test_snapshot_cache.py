@@ -3,6 +3,7 @@ bounded steps for long work, and starting over when Redis lost the pool."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 
 from coordinator import Coordinator
 from coordinator import coordinator as coordinator_module
+from coordinator.coordinator import REAP_STEP, SWEEP_STEP
 from coordinator.errors import CoordinationUnavailableError
 from coordinator.models import Hint, RequestShape
 from coordinator.packed import LIVE_BYTES, STATE_BYTES, LiveRecord, pack_live
@@ -254,7 +256,9 @@ async def test_unregister_voids_records_in_bounded_steps(make_coordinator: MakeC
     left = await live_reservations(a)
     assert 0 < len(left) < 700, "one call deletes a bounded number of records"
     await assert_counters_match_reservations(a)  # the rest are queued, counted nowhere
-    await a.reap_expired()  # the lease loop's step: renew, reap, sweep
+    for _ in range(math.ceil(700 / SWEEP_STEP) - 1):
+        assert await live_reservations(a) != {}
+        await a.reap_expired()  # the lease loop's step: renew, reap, sweep one step
     assert await live_reservations(a) == {}
     assert await a.redis.scard(a.keys.column("voids")) == 0
     await assert_counters_match_reservations(a)
@@ -272,7 +276,10 @@ async def test_restart_voids_old_epoch_in_steps_while_new_counts_exactly(
     assert fresh.epoch == 2
     await assert_counters_match_reservations(a)
     assert (await a.snapshot()).by_id()["i0"].inflight == 1
-    await a.reap_expired()
+    # The re-registration swept one step; each lease-loop round sweeps one more.
+    for _ in range(math.ceil(600 / SWEEP_STEP) - 1):
+        assert set(await live_reservations(a)) != {fresh.rid}
+        await a.reap_expired()
     assert set(await live_reservations(a)) == {fresh.rid}
     await assert_counters_match_reservations(a)
 
@@ -285,7 +292,7 @@ async def test_a_dead_node_is_reaped_in_bounded_steps(make_coordinator: MakeCoor
     reaper = await make_coordinator("reaper")
     calls = count_calls(reaper)
     assert await reaper.reap_node("dead", force=True) == 1_100
-    assert calls["reap_node"] == 22  # 1,100 in steps of REAP_STEP (50)
+    assert calls["reap_node"] == math.ceil(1_100 / REAP_STEP)
     assert await live_reservations(reaper) == {}
     await assert_counters_match_reservations(reaper)
 
