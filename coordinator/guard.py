@@ -22,9 +22,11 @@ def guard_bounds(
       may be busy until (`prefill_free_at_ms`, Redis ms; 0 = no bound): the start that
       keeps this request's predicted TTFT there (queued prefill ahead + its own uncached
       prefill) no longer than it saw there, raised to the shortest it saw on any
-      candidate ranked after it. Counts alone let a node with a view a few hundred ms
-      old queue a short prompt behind a multi-second prefill another node just put on
-      an instance that held one decoding request, the same count as the others."""
+      candidate ranked after it, plus the prefill of as many requests of this one's
+      size as the count bound lets it gain. Counts alone let a node with a view a few
+      hundred ms old queue a short prompt behind a multi-second prefill another node
+      just put on an instance that held one decoding request, the same count as the
+      others; work the counts already allow for is not refused twice."""
     bounds: list[tuple[int, int, int]] = []
     floor_inflight = floor_pending = -1  # -1: no later candidate yet
     floor_ttft: int | None = None
@@ -33,10 +35,14 @@ def guard_bounds(
         inflight, pending = row.inflight + slack, row.pending_prefill + slack
         own = row.spec.prefill_ms(request.uncached_on(row.id))
         ttft = max(now_ms, row.prefill_free_at_ms) - now_ms + own
+        max_inflight = max(inflight, floor_inflight)
         max_free_at = 0
         if weights.ttft_ms > 0:
-            max_free_at = now_ms + max(ttft, ttft if floor_ttft is None else floor_ttft) - own
-        bounds.append((max(inflight, floor_inflight), max(pending, floor_pending), max_free_at))
+            # The requests the count bound lets it gain, each of this request's size.
+            gained = (max_inflight - row.inflight) * own
+            start = max(ttft, ttft if floor_ttft is None else floor_ttft) - own + gained
+            max_free_at = now_ms + start
+        bounds.append((max_inflight, max(pending, floor_pending), max_free_at))
         floor_inflight = inflight if floor_inflight < 0 else min(floor_inflight, inflight)
         floor_pending = pending if floor_pending < 0 else min(floor_pending, pending)
         floor_ttft = ttft if floor_ttft is None else min(floor_ttft, ttft)

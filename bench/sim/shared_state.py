@@ -241,9 +241,10 @@ class SharedState:
     ) -> int | None:
         """reserve.lua's unforced choice among `candidates` in the order it visits them,
         each (id, prefill_ms, max inflight, max pending_prefill, max prefill_free_at):
-        the position of the first within all its bounds; else, of those within their
-        count bounds, the one that starts its prefill soonest; else the least busy when
-        it has no more live reservations than the pool's mean; None ('stale') else."""
+        of those within their count bounds up to the first within all its bounds (all
+        of them when none is), the position of the one whose prefill starts soonest,
+        first on ties; with none within its counts, the least busy when it has no more
+        live reservations than the pool's mean; None ('stale') else."""
         timed: tuple[int, int] | None = None  # (prefill start + own prefill, position)
         least: int | None = None
         for i, (iid, prefill_ms, max_inflight, max_pending, max_free_at) in enumerate(candidates):
@@ -253,11 +254,11 @@ class SharedState:
             if not self.within(iid, max_inflight, max_pending):
                 continue
             free_at = inst.prefill_free_at_ms
-            if max_free_at == 0 or free_at <= max(now_ms, max_free_at):
-                return i
             ttft = max(now_ms, free_at) + prefill_ms
             if timed is None or ttft < timed[0]:
                 timed = (ttft, i)
+            if max_free_at == 0 or free_at <= max(now_ms, max_free_at):
+                break
         if timed is not None:
             return timed[1]
         total = sum(inst.inflight for inst in self._instances.values())

@@ -1,7 +1,7 @@
 -- reserve: claim the first ranked candidate that is no busier than the caller saw it
--- (or, when every one got busier: of those with no more reservations than their
--- bounds, the one that starts this request's prefill soonest; else the least busy if
--- it is at or below the pool's mean).
+-- (or, when its prefill got busier: of those with no more reservations than their
+-- bounds, the one that starts this request's prefill soonest; when every one has
+-- more: the least busy if it is at or below the pool's mean).
 -- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
 -- KEYS[17] = {pool}:node:<node>:rids  the calling node's reservation set
 -- ARGV[1] = rid (request id, [A-Za-z0-9._:-], <= 128 chars)
@@ -170,14 +170,17 @@ if (leased or lease_ms > 0) and not rid_released then
   existing = redis.call('HGET', K_RES, rid)
 end
 if (leased or lease_ms > 0) and not existing then
-  -- Unforced: the first alive candidate within its bounds. Forced (the last try): the
-  -- alive candidate with the fewest live reservations now, first on ties. Unforced
-  -- with none within all its bounds: of those within their count bounds, the one that
-  -- would start this request's prefill soonest (its prefill got busier than the node
-  -- saw, as every other's did); with none within its count bounds either, the one
-  -- with the fewest live reservations now, when it has no more than the pool's mean
-  -- (taking it cannot make it the busiest). A view many changes behind then costs no
-  -- second call.
+  -- Unforced: the first alive candidate within its bounds, unless one visited before
+  -- it, within its count bounds but busy past its free-at bound, would still start
+  -- this request's prefill sooner: of the candidates within their count bounds up to
+  -- the first within all its bounds (all of them when none is), the one whose prefill
+  -- starts soonest now, first on ties. (Skipping a candidate for its free-at alone
+  -- would take a later one whose own bounds were raised to what the node saw of the
+  -- candidates after it, which may be busier still.) Forced (the last try): the alive
+  -- candidate with the fewest live reservations now, first on ties. With none within
+  -- its count bounds: the one with the fewest live reservations now, when it has no
+  -- more than the pool's mean (taking it cannot make it the busiest). A view many
+  -- changes behind then costs no second call.
   local least, least_st = nil, nil
   local timed, timed_st, timed_ttft = nil, nil, nil
   for _, i in ipairs(order) do
@@ -196,21 +199,18 @@ if (leased or lease_ms > 0) and not existing then
       else
         if least == nil or inflight < least_st.base then least, least_st = c, st end
         if not force and inflight <= c.max_inflight and st.pending <= c.max_pending then
-          if c.max_free_at == 0 or st.free_at <= math.max(now, c.max_free_at) then
-            chosen, chosen_st = c, st
-            break
-          end
           local ttft = math.max(now, st.free_at) + c.prefill_ms
           if timed == nil or ttft < timed_ttft then timed, timed_st, timed_ttft = c, st, ttft end
+          if c.max_free_at == 0 or st.free_at <= math.max(now, c.max_free_at) then break end
         end
       end
     end
   end
   if force then
     chosen, chosen_st = least, least_st
-  elseif chosen == nil and timed ~= nil then
+  elseif timed ~= nil then
     chosen, chosen_st = timed, timed_st
-  elseif chosen == nil and least ~= nil
+  elseif least ~= nil
       and least_st.base * redis.call('HLEN', K_SLOT) <= pool_counts().total then
     chosen, chosen_st = least, least_st
   end

@@ -551,7 +551,8 @@ async def test_the_reserve_walk_matches_the_lua_script(make_coordinator: MakeCoo
     """reserve.lua's choice among the candidates a node sends and the sim's
     (SharedState.walk) agree, case by case, on the same state: the first within all its
     bounds, the soonest prefill start among those within their counts when none is
-    within its free-at bound, the least busy at or below the pool's mean, and `stale`."""
+    within its free-at bound or when one past it starts sooner than the first within
+    all, the least busy at or below the pool's mean, and `stale`."""
     c = await make_coordinator("n1")
     rids_key = c.keys.node_rids("n1")
     state = SharedState()
@@ -590,7 +591,9 @@ async def test_the_reserve_walk_matches_the_lua_script(make_coordinator: MakeCoo
     assert await reserve("w1", [(f"i{k}", 50, 9, 9, 1) for k in range(3)]) == "i2"
     # None within its free-at bound: the one that starts the prefill soonest.
     assert await reserve("w2", [("i0", 50, 9, 9, 1), ("i1", 50, 9, 9, 1)]) == "i1"
-    # None within its counts: the least busy (i0, 1 live) at or below the mean (4 / 3).
+    # One past its free-at bound starts sooner than the next within all its bounds.
+    assert await reserve("w2b", [("i1", 50, 9, 9, 1), ("i0", 50, 9, 9, never)]) == "i1"
+    # None within its counts: the least busy (i0, 1 live) at or below the mean (5 / 3).
     assert await reserve("w3", [("i1", 50, 0, 0, 0), ("i0", 50, 0, 0, 0)]) == "i0"
-    # Every one above its counts and the least busy (i1, 2 live, first) above the mean.
-    assert await reserve("w4", [("i1", 50, 0, 0, 0), ("i0", 50, 0, 0, 0)]) is None
+    # Above its counts, and above the mean (i1: 3 live, the pool 6 on 3 instances).
+    assert await reserve("w4", [("i1", 50, 0, 0, 0)]) is None

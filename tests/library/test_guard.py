@@ -34,9 +34,10 @@ def test_bounds_are_what_the_node_saw_raised_to_the_best_alternative_after_it() 
     bounds = guard_bounds(ROWS, RequestShape(100, 10), Weights.preset("ttft"), NOW)
     # Counts: own, raised to the least later (i0: 0 -> 1 live, 0 -> 1 prefilling).
     # Free-at: the start that keeps the TTFT within max(own, the shortest later), less
-    # its own prefill: i0 may start by NOW + 20 - 10, i1 by NOW + 35 - 15 (its own
-    # TTFT is the longer), i2 by NOW + 20 - 15 (the last: its own).
-    assert bounds == [(1, 1, NOW + 10), (2, 1, NOW + 20), (1, 1, NOW + 5)]
+    # its own prefill, plus the prefill of the requests its count bound lets it gain:
+    # i0 may start by NOW + 20 - 10 + 1 x 10, i1 by NOW + 35 - 15 (its own TTFT is the
+    # longer; no gain), i2 by NOW + 20 - 15 (the last: its own).
+    assert bounds == [(1, 1, NOW + 20), (2, 1, NOW + 20), (1, 1, NOW + 5)]
 
 
 def test_weights_that_do_not_rank_on_ttft_send_no_free_at_bound() -> None:
@@ -51,5 +52,5 @@ def test_a_cached_prefix_counts_only_the_uncached_prefill() -> None:
     bounds = guard_bounds(ROWS, request, Weights.preset("ttft"), NOW)
     slack = bounds[1][0] - 2
     assert slack > 0 and bounds[1][1] == 1 + slack
-    assert bounds[1][2] == NOW + 26 - 6
-    assert bounds[0] == (1, 1, NOW + 10)  # the shortest later TTFT is still i2's 20
+    assert bounds[1][2] == NOW + 26 - 6 + slack * 6  # the requests it may gain, at 6 ms
+    assert bounds[0] == (1, 1, NOW + 20)  # the shortest later TTFT is still i2's 20
