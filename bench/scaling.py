@@ -503,6 +503,22 @@ def timing_us_per_request(merge_us: float, nodes: int, rps: float) -> float:
     return merge_us * nodes / (interval / 1000) / rps
 
 
+PIPED_NAMES = [instance_spec(i).id for i in range(64)]  # the instances piped calls use
+
+
+def piped_reserve_args(
+    node: str, i: int, rid: str, enforce: int, carried: list[str] | None = None
+) -> list[Any]:
+    """A reserve call's arguments as a node sends them (top_k candidates from the i-th
+    of PIPED_NAMES, each observed as busy as can be: the first is taken), then the
+    carried marks and releases (`carried`: op, rid pairs; None sends no such part)."""
+    k = SETTINGS.top_k
+    out: list[Any] = [rid, node, 512, 128, 0, enforce, SETTINGS.instance_ttl_ms, 0, "", k, 0]
+    for c in range(k):
+        out += [PIPED_NAMES[(i + c) % len(PIPED_NAMES)], 50, 2000, 10**12, 10**12, 0]
+    return out if carried is None else [*out, len(carried) // 2, *carried]
+
+
 def pipelined_cycles(url: str, pool: str, requests: int) -> dict[str, float]:
     """Server CPU and EVALSHA µs per request cycle when the server never waits for a call.
 
@@ -514,14 +530,10 @@ def pipelined_cycles(url: str, pool: str, requests: int) -> dict[str, float]:
     node = "piped"
     rids_key = raw.keys.node_rids(node)
     raw.many("renew_lease", [([node, SETTINGS.lease_ms], ())])
-    k, names = SETTINGS.top_k, [instance_spec(i).id for i in range(64)]
     rids = [f"piped-{i}" for i in range(requests)]
 
     def reserve_args(i: int, rid: str) -> list[Any]:
-        args: list[Any] = [rid, node, 512, 128, 0, 0, SETTINGS.instance_ttl_ms, 0, "", k, 0]
-        for c in range(k):  # observed as busy as can be: the first candidate is taken
-            args += [names[(i + c) % len(names)], 50, 2000, 10**12, 10**12, 0]
-        return args
+        return piped_reserve_args(node, i, rid, 0)
 
     before = server_counters(raw.client)
     raw.many("reserve", ((reserve_args(i, rid), (rids_key,)) for i, rid in enumerate(rids)))
@@ -561,15 +573,11 @@ def reserve_breakdown(url: str, pool: str, calls: int) -> dict[str, float]:
     node = "parts"
     rids_key = raw.keys.node_rids(node)
     raw.many("renew_lease", [([node, SETTINGS.lease_ms], ())])
-    k, names = SETTINGS.top_k, [instance_spec(i).id for i in range(64)]
 
     def args(i: int, rid: str, carried: list[str]) -> list[Any]:
-        out: list[Any] = [rid, node, 512, 128, 0, 1, SETTINGS.instance_ttl_ms, 0, "", k, 0]
-        for c in range(k):  # observed as busy as can be: the first candidate is taken
-            out += [names[(i + c) % len(names)], 50, 2000, 10**12, 10**12, 0]
-        return [*out, len(carried) // 2, *carried]
+        return piped_reserve_args(node, i, rid, 1, carried)
 
-    warm = [f"warm-{i}" for i in range(8 * len(names))]
+    warm = [f"warm-{i}" for i in range(8 * len(PIPED_NAMES))]
     raw.many("reserve", ((args(i, rid, []), (rids_key,)) for i, rid in enumerate(warm)))
     body = (resources.files("coordinator") / "lua" / "reserve.lua").read_text()
     keys = [*raw.columns, rids_key]
