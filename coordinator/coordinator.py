@@ -655,17 +655,13 @@ class Coordinator:
                 len(candidates),
                 ties,
             ]
-            bounds = guard_bounds(
-                [self._cache.rows[c.id] for c in candidates],
-                ranked_as,
-                s.weights,
-                self._cache.estimated_now_ms(),
-            )
-            for c, (max_inflight, max_pending, max_free_at) in zip(candidates, bounds, strict=True):
+            rows = [self._cache.rows[iid] for iid in candidates]
+            bounds = guard_bounds(rows, ranked_as, s.weights, self._cache.estimated_now_ms())
+            for row, (max_inflight, max_pending, max_free_at) in zip(rows, bounds, strict=True):
                 args += [
-                    c.id,
-                    c.spec.prefill_ms(request.uncached_on(c.id)),
-                    c.spec.decode_ms(expected),
+                    row.id,
+                    row.spec.prefill_ms(request.uncached_on(row.id)),
+                    row.spec.decode_ms(expected),
                     max_inflight,
                     max_pending,
                     max_free_at,

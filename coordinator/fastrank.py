@@ -34,6 +34,7 @@ from coordinator.strategies import (
     LIFECYCLE,
     PREDICTED,
     TIE_EPSILON,
+    LazyLoads,
     Ranking,
     RoundRobin,
     Score,
@@ -244,36 +245,37 @@ class ColumnarPool:
                 total = total / c["weight"][sel]
             order, tied = self._top(total, rr, k)
         chosen = order if eligible is None else eligible[order]
-        sources = {
-            layer: ("hints" if layer == "instantaneous" else "reservations")
-            if any(n in used for n in names)
-            else "missing"
-            for layer, names in LAYERS.items()
-        }
+        ids = [self.ids[i] for i in chosen.tolist()]
         totals = total[order].tolist()
         ttfts = ttft[order].tolist() if ttft is not None else None
         prefills = prefill[order].tolist() if prefill is not None else None
-        shown = dict(wmap)  # the scores' own copy: the kept one is never handed out
-        loads: list[InstanceLoad] = []
-        build: dict[str, Callable[[], Score]] = {}
-        for j, i in enumerate(chosen.tolist()):
-            iid = self.ids[i]
-            load = instance_load(
-                cache.rows[iid], now, instance_ttl_ms=instance_ttl_ms, hint_ttl_ms=hint_ttl_ms
+        rows = cache.rows
+
+        def load_of(j: int) -> InstanceLoad:
+            return instance_load(
+                rows[ids[j]], now, instance_ttl_ms=instance_ttl_ms, hint_ttl_ms=hint_ttl_ms
             )
-            loads.append(load)
 
-            def score(load: InstanceLoad = load, j: int = j) -> Score:
-                raw = _raw(
-                    load,
-                    None if ttfts is None else ttfts[j],
-                    None if prefills is None else prefills[j],
-                )
-                weighted = {name: wmap[name] * raw[name] for name in used}  # type: ignore[operator]
-                return Score(load.id, totals[j], raw, weighted, dict(sources), shown)
+        loads = LazyLoads(ids, load_of)
 
-            build[iid] = score
-        return Ranking(loads, LazyScores(build), "least_load", tied)
+        def score(j: int) -> Score:
+            load = loads[j]
+            raw = _raw(
+                load,
+                None if ttfts is None else ttfts[j],
+                None if prefills is None else prefills[j],
+            )
+            weighted = {name: wmap[name] * raw[name] for name in used}  # type: ignore[operator]
+            sources = {
+                layer: ("hints" if layer == "instantaneous" else "reservations")
+                if any(n in used for n in names)
+                else "missing"
+                for layer, names in LAYERS.items()
+            }
+            # The score's own copy of the weights: the kept one is never handed out.
+            return Score(load.id, totals[j], raw, weighted, sources, dict(wmap))
+
+        return Ranking(loads, LazyScores(ids, score), "least_load", tied)
 
     def backlogs(
         self, cache: PoolCache, now: int, instance_ttl_ms: int, ids: Iterable[str]
@@ -354,21 +356,22 @@ class LazyScores(Mapping[str, Score]):
     """The candidates' scores, each built when first read: a reservation keeps only
     the chosen one's, while /debug/instance_loads reads them all."""
 
-    def __init__(self, build: dict[str, Callable[[], Score]]) -> None:
+    def __init__(self, ids: list[str], build: Callable[[int], Score]) -> None:
+        self._index = {iid: j for j, iid in enumerate(ids)}
         self._build = build
         self._built: dict[str, Score] = {}
 
     def __getitem__(self, iid: str) -> Score:
         score = self._built.get(iid)
         if score is None:
-            score = self._built[iid] = self._build[iid]()
+            score = self._built[iid] = self._build(self._index[iid])
         return score
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._build)
+        return iter(self._index)
 
     def __len__(self) -> int:
-        return len(self._build)
+        return len(self._index)
 
 
 def _raw(load: InstanceLoad, ttft: float | None, prefill: float | None) -> dict[str, float | None]:

@@ -7,8 +7,9 @@ caller keeps per pool; randomness comes from a `random.Random` the caller owns.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 from coordinator.models import InstanceLoad, RequestShape
 from coordinator.settings import Weights
@@ -60,11 +61,50 @@ class Score:
         }
 
 
+class LazyLoads(Sequence[InstanceLoad]):
+    """Ranked rows, each built when first read.
+
+    A reservation needs the candidates' ids and one row (the chosen one's, for its
+    score); building the other k - 1 InstanceLoad rows was a third of a decision's
+    ranking. `/debug/instance_loads` reads them all.
+    """
+
+    def __init__(self, ids: list[str], build: Callable[[int], InstanceLoad]) -> None:
+        self.ids = ids
+        self._build = build
+        self._built: dict[int, InstanceLoad] = {}
+
+    @overload
+    def __getitem__(self, index: int) -> InstanceLoad: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[InstanceLoad]: ...
+
+    def __getitem__(self, index: int | slice) -> InstanceLoad | list[InstanceLoad]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self.ids)))]
+        j = range(len(self.ids))[index]  # IndexError and negative indices as a list's
+        load = self._built.get(j)
+        if load is None:
+            load = self._built[j] = self._build(j)
+        return load
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def ranked_ids(ranked: Sequence[InstanceLoad]) -> list[str]:
+    """The ids of ranked rows in order, without building lazy ones."""
+    if isinstance(ranked, LazyLoads):
+        return ranked.ids
+    return [row.id for row in ranked]
+
+
 @dataclass(frozen=True, slots=True)
 class Ranking:
     """Candidates best-first, with the score of every candidate that was scored."""
 
-    ranked: list[InstanceLoad]
+    ranked: Sequence[InstanceLoad]
     scores: Mapping[str, Score] = field(default_factory=dict)
     strategy: str = "least_load"
     # How many candidates lead tied for the best score (the rotated tied minimum): the
@@ -76,15 +116,16 @@ class Ranking:
         """The best candidate, or None when there is none."""
         return self.ranked[0] if self.ranked else None
 
-    def for_reserve(self, k: int) -> tuple[list[InstanceLoad], int]:
-        """The first k candidates for reserve.lua, and how many of them lead tied.
+    def for_reserve(self, k: int) -> tuple[list[str], int]:
+        """The ids of the first k candidates for reserve.lua, and how many of them
+        lead tied.
 
         The script walks a least_load tie in one turn round the pool (lua/reserve.lua
         ARGV[11]), where each node's own rotation would send several nodes' concurrent
         or successive picks to the same idle instance. Other strategies' orders are
         kept as ranked (0 ties).
         """
-        candidates = self.ranked[:k]
+        candidates = ranked_ids(self.ranked)[:k]
         ties = min(self.tied, len(candidates)) if self.strategy == "least_load" else 0
         return candidates, ties if ties >= 2 else 0
 

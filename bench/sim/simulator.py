@@ -660,11 +660,10 @@ class Simulation:
         assert view is not None
         view.ensure(now)
         for attempt in range(c.reserve_retries + 1):
-            candidates, ties = self._rank(node, shape, now).for_reserve(c.top_k)
-            assert candidates, "every simulated instance stays alive"
-            bounds = guard_bounds(
-                [view.rows[cand.id] for cand in candidates], shape, c.weights, now
-            )
+            ids, ties = self._rank(node, shape, now).for_reserve(c.top_k)
+            assert ids, "every simulated instance stays alive"
+            candidates = [view.rows[iid] for iid in ids]
+            bounds = guard_bounds(candidates, shape, c.weights, now)
             # The walk: the tied candidates by slot (here: index) from the first after
             # the one the pool's last reservation with ties took, then the rest.
             tied = sorted(range(ties), key=lambda i: self.index[candidates[i].id])
@@ -692,7 +691,7 @@ class Simulation:
             view.read(now)  # a 'stale' reply carries the whole state
         raise AssertionError("unreachable: the last try is forced")
 
-    def _taken(self, chosen: InstanceLoad, ties: int) -> int:
+    def _taken(self, chosen: InstanceRow, ties: int) -> int:
         """The instance a reserve took; one taken with ties moves the pool's turn."""
         if ties >= 2:
             self.tie_last = self.index[chosen.id]

@@ -131,7 +131,8 @@ def assert_ranks_like_reference(
     fast, fast_scores = ranking.ranked, ranking.scores
     assert [r.id for r in fast] == [r.id for r in ref.ranked[:k]]
     assert (ranking.tied, ranking.strategy) == (ref.tied, ref.strategy)
-    assert fast == ref.ranked[:k]
+    assert list(fast) == ref.ranked[:k]
+    assert ranking.for_reserve(k)[0] == [r.id for r in ref.ranked[:k]]
     for r in fast:
         assert fast_scores[r.id] == ref.scores[r.id]
     assert fast_rr.counter == ref_rr.counter

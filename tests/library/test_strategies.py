@@ -11,12 +11,14 @@ import pytest
 from coordinator import InstanceLoad, InstanceSpec, InvalidArgumentError, Weights
 from coordinator.models import RequestShape
 from coordinator.strategies import (
+    LazyLoads,
     Ranking,
     RoundRobin,
     eligible,
     least_load,
     power_of_two,
     rank,
+    ranked_ids,
     round_robin,
     score_rows,
 )
@@ -431,3 +433,21 @@ def test_prefill_ms_is_missing_without_a_timing_model() -> None:
     scores = score_rows(rows, Weights(prefill_ms=1.0), request=RequestShape(100, 1))
     assert scores["a"].components["prefill_ms"] is None
     assert "prefill_ms" not in scores["a"].weighted_components
+
+
+def test_lazy_loads_build_a_row_only_when_read_and_index_as_a_list() -> None:
+    rows = [row(f"i{k}") for k in range(4)]
+    built: list[int] = []
+
+    def build(j: int) -> InstanceLoad:
+        built.append(j)
+        return rows[j]
+
+    loads = LazyLoads([r.id for r in rows], build)
+    assert ranked_ids(loads) == ["i0", "i1", "i2", "i3"] and built == []
+    assert loads[-1] is rows[3] and loads[1] is rows[1]
+    assert loads[1:3] == rows[1:3] and list(loads) == rows
+    assert sorted(set(built)) == [0, 1, 2, 3] and built.count(1) == 1  # each built once
+    with pytest.raises(IndexError):
+        loads[4]
+    assert ranked_ids(rows) == ["i0", "i1", "i2", "i3"]
