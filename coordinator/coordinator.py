@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 import uuid
@@ -588,7 +589,7 @@ class Coordinator:
                     f"{name} must be an integer in 0..{MAX_TOKENS}, got {value!r}"
                 )
         if rid is None:
-            rid = uuid.uuid4().hex
+            rid = os.urandom(16).hex()  # 128 random bits, as uuid4 without its object
         elif not ID_RE.fullmatch(rid):
             raise InvalidArgumentError(f"rid {rid!r} must match {ID_RE.pattern}")
         if strategy is not None and strategy not in STRATEGIES:
@@ -657,10 +658,11 @@ class Coordinator:
             ]
             rows = [self._cache.rows[iid] for iid in candidates]
             bounds = guard_bounds(rows, ranked_as, s.weights, self._cache.estimated_now_ms())
+            cached = bool(request.cached_tokens)
             for row, (max_inflight, max_pending, max_free_at) in zip(rows, bounds, strict=True):
                 args += [
                     row.id,
-                    row.spec.prefill_ms(request.uncached_on(row.id)),
+                    row.spec.prefill_ms(request.uncached_on(row.id) if cached else prompt),
                     row.spec.decode_ms(expected),
                     max_inflight,
                     max_pending,
@@ -818,7 +820,7 @@ class Coordinator:
             prompt,
             expected,
             False,
-            ranking.scores.get(iid),
+            ranking.scores,
             request.cached_on(iid),
             alone,
             row.inflight if row is not None else 0,
@@ -875,7 +877,7 @@ class Coordinator:
             prompt,
             expected,
             True,
-            ranking.scores.get(chosen.id),
+            ranking.scores,
             request.cached_on(chosen.id),
         )
 

@@ -249,11 +249,11 @@ class ColumnarPool:
         totals = total[order].tolist()
         ttfts = ttft[order].tolist() if ttft is not None else None
         prefills = prefill[order].tolist() if prefill is not None else None
-        rows = cache.rows
+        rows = [cache.rows[iid] for iid in ids]  # as ranked: later views replace rows
 
         def load_of(j: int) -> InstanceLoad:
             return instance_load(
-                rows[ids[j]], now, instance_ttl_ms=instance_ttl_ms, hint_ttl_ms=hint_ttl_ms
+                rows[j], now, instance_ttl_ms=instance_ttl_ms, hint_ttl_ms=hint_ttl_ms
             )
 
         loads = LazyLoads(ids, load_of)
@@ -357,21 +357,25 @@ class LazyScores(Mapping[str, Score]):
     the chosen one's, while /debug/instance_loads reads them all."""
 
     def __init__(self, ids: list[str], build: Callable[[int], Score]) -> None:
-        self._index = {iid: j for j, iid in enumerate(ids)}
+        self._ids = ids  # k of them: a list search is cheaper than building a dict
         self._build = build
         self._built: dict[str, Score] = {}
 
     def __getitem__(self, iid: str) -> Score:
         score = self._built.get(iid)
         if score is None:
-            score = self._built[iid] = self._build(self._index[iid])
+            try:
+                j = self._ids.index(iid)
+            except ValueError:
+                raise KeyError(iid) from None
+            score = self._built[iid] = self._build(j)
         return score
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._index)
+        return iter(self._ids)
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._ids)
 
 
 def _raw(load: InstanceLoad, ttft: float | None, prefill: float | None) -> dict[str, float | None]:

@@ -30,10 +30,12 @@ def guard_bounds(
     bounds: list[tuple[int, int, int]] = []
     floor_inflight = floor_pending = -1  # -1: no later candidate yet
     floor_ttft: int | None = None
+    cached = bool(request.cached_tokens)
     for row in reversed(rows):
-        slack = affinity_slack(row.spec, request, weights)
+        slack = affinity_slack(row.spec, request, weights) if cached else 0
         inflight, pending = row.inflight + slack, row.pending_prefill + slack
-        own = row.spec.prefill_ms(request.uncached_on(row.id))
+        tokens = request.uncached_on(row.id) if cached else request.prompt_tokens
+        own = row.spec.prefill_ms(tokens)
         ttft = max(now_ms, row.prefill_free_at_ms) - now_ms + own
         max_inflight = max(inflight, floor_inflight)
         max_free_at = 0

@@ -280,9 +280,16 @@ class Reservation:
     prompt_tokens: int
     expected_output_tokens: int
     degraded: bool = False
-    score: Any = None  # the strategy's Score for the chosen instance (explainability)
+    # The ranking's scores (coordinator/strategies.py Score by instance id): `score` reads
+    # the chosen instance's, which a lazy ranking builds only then.
+    scores: Mapping[str, Any] | None = None
     cached_tokens: int = 0  # prompt tokens expected in the chosen instance's prefix cache
     # No other prefill was pending on the instance when it was reserved: the request's
     # TTFT is its own prefill (a learning sample), not a wait behind others.
     prefill_alone: bool = False
     batch: int = 0  # the instance's live reservations, this one included, when reserved
+
+    @property
+    def score(self) -> Any:
+        """The strategy's Score for the chosen instance (explainability), or None."""
+        return None if self.scores is None else self.scores.get(self.instance_id)

@@ -207,6 +207,11 @@ class PoolCache:
         ):
             return
         self.state = _spliced(self.state, slot, new)
+        if version == self.state_ver + 1 and not self.ahead:  # the usual case: next in line
+            self.state_ver = version
+            self._current()
+            self._rebuild([slot])
+            return
         self.ahead[slot] = (version, new)
         while True:  # records held ahead that now follow on
             follows = [s for s, (v, _) in self.ahead.items() if v == self.state_ver + 1]
