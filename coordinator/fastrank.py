@@ -82,6 +82,9 @@ class ColumnarPool:
         self._room: Bools = np.zeros(0, dtype=bool)
         self._hinted = dict.fromkeys(HINT_NAMES, 0)  # rows holding each hint
         self._weighted = 0  # rows whose weight is not 1 (x / 1.0 is x: no division)
+        # Rows that are not `mixed`, that have no room, whose `due` is unknown: while
+        # all three are 0 and every row is alive, a decision needs no mask at all.
+        self._not_mixed = self._no_room = self._unknown_due = 0
         # What each row's spec and hint columns were set from: a row rebuilt for a
         # counter change keeps both objects, and their columns stay as they are.
         self._set_from: list[tuple[InstanceSpec | None, dict[str, Hint] | None]] = []
@@ -99,6 +102,7 @@ class ColumnarPool:
             self._room = np.zeros(n, dtype=bool)
             self._hinted = dict.fromkeys(HINT_NAMES, 0)
             self._weighted = 0
+            self._not_mixed = self._no_room = self._unknown_due = n  # as initialized
             self._set_from = [(None, None)] * n
             self._prefill = None
             self._membership = cache.membership
@@ -120,6 +124,7 @@ class ColumnarPool:
         c["decode"][i] = row.active_decode
         c["last_seen"][i] = row.last_seen_ms
         room = row.max_slots <= 0 or row.inflight < row.max_slots
+        self._no_room += (not room) - (not self._room[i])
         self._room[i] = room
         # backlog = max(prefill_free, next_slot) of pressure.instance_load, as one time:
         # max(0, due - now) with due the later of the prefill cursor and, when no slot
@@ -130,6 +135,7 @@ class ColumnarPool:
                 due = float(row.prefill_free_at_ms)
             elif row.earliest_end_at_ms is not None:
                 due = float(max(row.prefill_free_at_ms, row.earliest_end_at_ms))
+        self._unknown_due += math.isnan(due) - math.isnan(c["due"][i])
         c["due"][i] = due
         old_spec, old_hints = self._set_from[i]
         self._set_from[i] = (spec, row.hints)
@@ -138,7 +144,9 @@ class ColumnarPool:
                 old_spec is not None and old_spec.weight != 1.0
             )
             c["weight"][i] = spec.weight
-            self._mixed[i] = spec.role == "mixed"
+            mixed = spec.role == "mixed"
+            self._not_mixed += (not mixed) - (not self._mixed[i])
+            self._mixed[i] = mixed
             per_token = spec.prefill_ms_per_token or 0.0
             overhead = spec.prefill_overhead_ms or 0.0
             if c["prefill_per_token"][i] != per_token or c["prefill_overhead"][i] != overhead:
@@ -181,24 +189,34 @@ class ColumnarPool:
         """
         self.sync(cache)
         c = self._cols
-        mask = (now - c["last_seen"] <= instance_ttl_ms) & self._mixed
-        if room_only:
-            mask &= self._room
-        count = int(np.count_nonzero(mask))
-        if count == 0:
-            return Ranking([], {}, "least_load")
-        # Every row eligible (the usual case): views instead of fancy-indexed copies.
-        sel: slice | Positions
-        if count == len(self.ids):
-            eligible = None
-            sel = slice(None)
-        else:
-            eligible = np.flatnonzero(mask)
-            sel = eligible
+        n = len(self.ids)
+        # Every row eligible (the usual case): no mask, and views instead of copies.
+        every = (
+            n > 0
+            and self._not_mixed == 0
+            and (not room_only or self._no_room == 0)
+            and now - c["last_seen"].min() <= instance_ttl_ms
+        )
+        eligible: Positions | None = None
+        sel: slice | Positions = slice(None)
+        count = n
+        if not every:
+            mask = (now - c["last_seen"] <= instance_ttl_ms) & self._mixed
+            if room_only:
+                mask &= self._room
+            count = int(np.count_nonzero(mask))
+            if count == 0:
+                return Ranking([], {}, "least_load")
+            if count < n:
+                eligible = np.flatnonzero(mask)
+                sel = eligible
         backlog = np.maximum(0.0, c["due"][sel] - now)  # NaN where unknown
         complete = {"inflight": True}
         values: dict[str, Floats] = {"inflight": c["inflight"][sel]}
-        predicted = int(np.count_nonzero(np.isnan(backlog))) == 0
+        if eligible is None and self._unknown_due == 0:
+            predicted = True
+        else:
+            predicted = int(np.count_nonzero(np.isnan(backlog))) == 0
         if predicted:
             values["pending_prefill"] = c["pending"][sel]
             values["active_decode"] = c["decode"][sel]
