@@ -118,6 +118,10 @@ async def assert_counters_match_reservations(c: Coordinator) -> None:
         if epochs.get(iid) != rec["epoch"]:
             assert iid in voids, f"void reservation not queued for sweeping: {rec}"
             continue
+        # A live record's slot (kept so transitions need no slot lookup) is its
+        # instance's; -1 or none: written before records kept slots.
+        if rec.get("slot", -1) >= 0:
+            assert rec["slot"] == int(raw_slots[iid]), ("record slot", rec, raw_slots[iid])
         expected["inflight"][iid] += 1
         phase = "pending_prefill" if rec["phase"] == "prefill" else "active_decode"
         expected[phase][iid] += 1

@@ -103,14 +103,15 @@ end
 
 -- A reservation record as stored: JSON (cjson.decode reads it), formatted directly
 -- at half the cost of cjson.encode. Ids are validated ids and phase is
--- 'prefill' or 'decode', so nothing needs escaping.
+-- 'prefill' or 'decode', so nothing needs escaping. `slot` is the instance's slot in
+-- the packed records when the record was written (-1: not known; see record_state).
 -- One literal (Lua 5.1 does not fold '..' of constants: it would run on every call).
-local RECORD_JSON = '{"instance":"%s","epoch":%d,"node":"%s","phase":"%s","prompt_tokens":%d,"expected_output_tokens":%d,"prefill_ms":%d,"decode_ms":%d,"created_ms":%d,"first_token_at_ms":%d,"end_at_ms":%d,"predicted_ttft_ms":%d}'
+local RECORD_JSON = '{"instance":"%s","epoch":%d,"node":"%s","phase":"%s","prompt_tokens":%d,"expected_output_tokens":%d,"prefill_ms":%d,"decode_ms":%d,"created_ms":%d,"first_token_at_ms":%d,"end_at_ms":%d,"predicted_ttft_ms":%d,"slot":%d}'
 
 local function encode_record(r)
   return string.format(RECORD_JSON, r.instance, r.epoch, r.node, r.phase, r.prompt_tokens,
     r.expected_output_tokens, r.prefill_ms, r.decode_ms, r.created_ms, r.first_token_at_ms,
-    r.end_at_ms, r.predicted_ttft_ms)
+    r.end_at_ms, r.predicted_ttft_ms, r.slot or -1)
 end
 
 local function epoch_range(id, epoch)
@@ -218,6 +219,17 @@ end
 -- slot_state_at with the slot looked up (HGET slot).
 local function slot_state(id)
   return slot_states[id] or slot_state_at(id, redis.call('HGET', K_SLOT, id))
+end
+
+-- The state of the instance a reservation record is on, for a record whose epoch is
+-- the instance's current one: the slot the record keeps is then still the
+-- instance's (a slot changes hands only by unregister, and an id registered again
+-- continues above the epochs its remaining records carry: register.lua), so no slot
+-- lookup. A record written before records kept slots looks it up.
+local function record_state(rec)
+  local slot = rec.slot
+  if slot == nil or slot < 0 then return slot_state(rec.instance) end
+  return slot_states[rec.instance] or slot_state_at(rec.instance, slot)
 end
 
 -- This call's copy of the pool's change counters in meta: state_ver (every change of
@@ -371,7 +383,7 @@ local function drop_reservation(rid, rec, now, touched)
   end
   local st = touched and touched[id]
   if not st then
-    st = slot_state(id)
+    st = record_state(rec)
     if not st then return nil end
   end
   if rec.phase == 'prefill' then
@@ -452,7 +464,7 @@ local function first_token(rid, now)
   redis.call('HSET', K_RES, rid, encode_record(rec))
   redis.call('ZADD', K_BY_INSTANCE, '0', lex_member(id, rec.epoch, rec.end_at_ms, rid))
   if tonumber(redis.call('HGET', K_EPOCH, id) or '-1') ~= rec.epoch then return 'ok' end
-  local st = slot_state(id)
+  local st = record_state(rec)
   if not st then return 'ok' end
   st.pending = math.max(0, st.pending - 1)
   st.decode = st.decode + 1

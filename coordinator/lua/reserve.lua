@@ -158,7 +158,7 @@ local now = now_ms()
 -- Reservations are written only under a live lease: the reaper finds a node through
 -- its lease, so a reservation without one would never go away.
 local leased = lease_held(node, now)
-local existing, chosen, chosen_st = nil, nil, nil
+local chosen, chosen_st = nil, nil
 local saw_alive, saw_full, min_slot_ms = false, false, nil
 -- A retry elsewhere reserves again under the rid its carried release ends.
 local rid_released = false
@@ -166,10 +166,7 @@ for i = 1, m do
   local at = G + 6 * n + 1 + 2 * i
   if ARGV[at - 1] == 'r' and ARGV[at] == rid then rid_released = true end
 end
-if (leased or lease_ms > 0) and not rid_released then
-  existing = redis.call('HGET', K_RES, rid)
-end
-if (leased or lease_ms > 0) and not existing then
+if leased or lease_ms > 0 then
   -- Unforced: the first alive candidate within its bounds, unless one visited before
   -- it, within its count bounds but busy past its free-at bound, would still start
   -- this request's prefill sooner: of the candidates within their count bounds up to
@@ -231,28 +228,36 @@ local function view(patch)
   return {run, spec_gen, now, redis.call('GET', K_STATE) or '', false, state_ver, -1, ''}
 end
 if not leased and lease_ms == 0 then return {'nolease', carried, view()} end
-if existing then
+-- A rid Redis holds already (a reserve sent again after its reply was lost): where
+-- the first one went. Checked when writing (HSETNX), or here when nothing was chosen.
+local function dup(existing)
   local rec = cjson.decode(existing)
   return {'dup', rec.instance, rec.epoch, rec.predicted_ttft_ms, rec.prefill_ms, rec.decode_ms,
     carried, view()}
 end
 if not chosen then
+  local existing = not rid_released and redis.call('HGET', K_RES, rid)
+  if existing then return dup(existing) end
   local d = view()
   if saw_full then return {'full', min_slot_ms or 0, carried, d} end
   if saw_alive then return {'stale', carried, d} end
   return {'none', carried, d}
 end
 
-if not leased then redis.call('ZADD', K_NODES, now + lease_ms, node) end
 local id, st = chosen.id, chosen_st
 local epoch = num(K_EPOCH, id)
 local first_token_at = math.max(now, st.free_at) + chosen.prefill_ms
 local end_at = first_token_at + chosen.decode_ms
 local ttft = first_token_at - now
-redis.call('HSET', K_RES, rid, encode_record({instance = id, epoch = epoch, node = node,
-  phase = 'prefill', prompt_tokens = prompt, expected_output_tokens = expected,
+-- The record first: HSETNX is the duplicate check (a carried release of this rid
+-- deleted its record above).
+local created = redis.call('HSETNX', K_RES, rid, encode_record({instance = id, epoch = epoch,
+  node = node, phase = 'prefill', prompt_tokens = prompt, expected_output_tokens = expected,
   prefill_ms = chosen.prefill_ms, decode_ms = chosen.decode_ms, created_ms = now,
-  first_token_at_ms = first_token_at, end_at_ms = end_at, predicted_ttft_ms = ttft}))
+  first_token_at_ms = first_token_at, end_at_ms = end_at, predicted_ttft_ms = ttft,
+  slot = st.slot}))
+if created == 0 then return dup(redis.call('HGET', K_RES, rid)) end
+if not leased then redis.call('ZADD', K_NODES, now + lease_ms, node) end
 redis.call('ZADD', K_BY_INSTANCE, '0', lex_member(id, epoch, end_at, rid))
 redis.call('SADD', KEYS[17], rid)
 st.pending, st.pending_ms, st.free_at = st.pending + 1, st.pending_ms + chosen.prefill_ms, first_token_at

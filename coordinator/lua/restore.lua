@@ -49,7 +49,7 @@ local st = slot_state(id)
 if not st then return {'unknown'} end
 local rec = {instance = id, epoch = epoch, node = node, phase = phase, prompt_tokens = prompt,
   expected_output_tokens = expected, prefill_ms = prefill_ms, decode_ms = decode_ms,
-  created_ms = now, predicted_ttft_ms = 0}
+  created_ms = now, predicted_ttft_ms = 0, slot = st.slot}
 if phase == 'prefill' then
   rec.first_token_at_ms = math.max(now, st.free_at) + prefill_ms
   rec.end_at_ms = rec.first_token_at_ms + decode_ms

@@ -103,12 +103,12 @@ def test_reserve_breakdown_cuts_the_real_script_and_counts_its_commands(
     parts = reserve_breakdown(server.url, "parts", 20)
     assert set(parts) == {"upto_args", "upto_decided", "whole", "whole_inner", "whole_commands"}
     assert all(value > 0 for value in parts.values())
-    # A proxied request's one call: reserve (TIME, the lease, the rid, meta, the first
-    # candidate's liveness, slot, max_slots and record, its epoch, then the record, the
-    # index, the node's set, the packed record and meta) = 14; the carried first-token
-    # mark (record, index out and in, epoch, slot, packed record read and write) = 8;
-    # the carried release (node's set, record, its deletion, index, epoch, slot, packed
-    # record read and write) = 8. Fewer when two of them touch one instance (its slot
-    # and record are read once); one more when a release ends the instance's earliest
-    # reservation (the index is read for the next).
-    assert 28 <= parts["whole_commands"] <= 32
+    # A proxied request's one call: reserve (TIME, the lease, meta, the first
+    # candidate's liveness, slot, max_slots and record, its epoch, then the record
+    # (HSETNX: the duplicate check), the index, the node's set, the packed record and
+    # meta) = 13; the carried first-token mark (record, index out and in, epoch, packed
+    # record read and write: the slot is the record's) = 7; the carried release (node's
+    # set, record, its deletion, index, epoch, packed record read and write) = 7. Fewer
+    # when two of them touch one instance (its record is read once); one more when a
+    # release ends the instance's earliest reservation (the index is read for the next).
+    assert 25 <= parts["whole_commands"] <= 29

@@ -394,7 +394,10 @@ async def lua_state(c: Any) -> dict[str, Any]:
         stem, end, _ = member.split("|", 2)
         iid = stem.rsplit("#", 1)[0]  # '<id>#<epoch>' (lua/_lib.lua lex_member)
         ends[iid] = min(ends.get(iid, int(end)), int(end))
-    return {"columns": cols, "earliest_end": ends, "records": await live_reservations(c)}
+    records = await live_reservations(c)
+    for rec in records.values():
+        rec.pop("slot")  # where Redis packs the counters: the sim has no slots
+    return {"columns": cols, "earliest_end": ends, "records": records}
 
 
 async def redis_now(c: Coordinator) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -294,6 +295,60 @@ async def test_reserve_walks_past_candidates_it_cannot_take(
     assert reply[0] == "none"
     per_instance = (await counters(c))["inflight"]
     assert per_instance == {"i0": 0, "i1": 1, "i2": 2, "i3": 3}, per_instance
+    await assert_counters_match_reservations(c)
+
+
+async def test_a_reserve_sent_again_is_a_dup_whatever_its_candidates(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """A reserve sent again under its rid (its reply was lost) answers where the first
+    went, whether this call's candidates would take another instance (the record's
+    HSETNX finds it) or none at all (full, busier than their bounds, unknown)."""
+    c = await make_coordinator("n1", enforce_max_slots=True)
+    for i in range(3):
+        await c.register_instance(spec(i, max_slots=1 if i == 1 else 0))
+    await c.refresh()
+    rids = c.keys.node_rids("n1")
+    first = await c._direct_call("reserve", _reserve_args("n1", "r1", [("i0", 99, 99)]), (rids,))
+    assert first[:2] == ["ok", "i0"]
+    filler = await c._direct_call("reserve", _reserve_args("n1", "f", [("i1", 99, 99)]), (rids,))
+    assert filler[:2] == ["ok", "i1"]
+    for groups in (
+        [("i2", 99, 99)],  # would take i2
+        [("i1", 99, 99)],  # full
+        [("i0", 0, 0)],  # over its bound, and above the pool's mean
+        [("ghost", 9, 9)],  # none alive
+    ):
+        reply = await c._direct_call("reserve", _reserve_args("n1", "r1", groups), (rids,))
+        assert reply[:6] == ["dup", *first[1:6]], (groups, reply)
+    assert (await counters(c))["inflight"] == {"i0": 1, "i1": 1, "i2": 0}
+    await assert_counters_match_reservations(c)
+
+
+async def test_records_without_a_slot_still_move_their_counters(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Records written before they kept their instance's slot (or with -1) look the
+    slot up: first token and release move the right instance's counters."""
+    c = await make_coordinator("n1")
+    for i in range(3):
+        await c.register_instance(spec(i))
+    held = [await c.reserve(10, 10, rid=f"old-{k}") for k in range(3)]
+    key = c.keys.column("reservations")
+    for k, res in enumerate(held):
+        record = json.loads(await c.redis.hget(key, res.rid))
+        assert record["slot"] >= 0
+        if k == 0:
+            del record["slot"]
+        else:
+            record["slot"] = -1
+        await c.redis.hset(key, res.rid, json.dumps(record))
+    await c.mark_first_token(held[0].rid)
+    await c.mark_first_token(held[1].rid)
+    await assert_counters_match_reservations(c)
+    for res in held:
+        assert await c.release(res.rid) is True
+    assert (await counters(c))["inflight"] == {"i0": 0, "i1": 0, "i2": 0}
     await assert_counters_match_reservations(c)
 
 
