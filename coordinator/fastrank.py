@@ -4,8 +4,9 @@
 Building those rows costs O(instances) Python objects per decision, so the hot path
 keeps the cache in numpy columns instead, updates only the rows a view changed, and
 ranks with array arithmetic; the result (order, totals, tie rotation) is identical to
-the reference, which tests/library/test_fastrank.py checks on random pools. Only the top-k
-candidates are materialized as InstanceLoad rows with their Score objects.
+the reference, which tests/library/test_fastrank.py checks on random pools. Of the top-k
+candidates only the ids are taken; an InstanceLoad row and its Score are built when
+read (a reservation reads the chosen one's).
 """
 
 from __future__ import annotations
