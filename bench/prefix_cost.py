@@ -14,13 +14,10 @@ machine's preemption does not inflate as it does the wall-clock usec_per_call.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import statistics
 import subprocess
 import sys
-import tarfile
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.against import add_against, resolve_against, tree_of  # noqa: E402
 from local_fleet.embedded import EmbeddedRedis  # noqa: E402
 
 # Runs in a child whose code is one tree (argv[1]); the workload is this checkout's.
@@ -45,27 +43,19 @@ print(json.dumps([dataclasses.asdict(r) for r in results]))
 """
 
 
-def git(*args: str) -> bytes:
-    """Output of one git command in this checkout."""
-    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True).stdout
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from bench.prefix_report import COST_CAPACITY
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--against", default=None, help="git ref (default: merge-base main)")
+    add_against(parser)
     parser.add_argument("--rounds", type=int, default=3, help="runs of each, alternating")
     parser.add_argument("--instances", type=int, nargs="+", default=[64, 1024])
     parser.add_argument("--requests", type=int, default=1000, help="per case and run")
     args = parser.parse_args(argv)
-    ref = args.against or git("merge-base", "HEAD", "main").decode().strip()
-    if ref == git("rev-parse", "HEAD").decode().strip():
-        parser.error("nothing to compare with here (HEAD is the merge-base): --against REF")
+    ref = resolve_against(parser, args.against)
     name = ref[:10]
     runs: dict[tuple[str, int, str], list[dict[str, float]]] = {}
-    with tempfile.TemporaryDirectory() as other:
-        tarfile.open(fileobj=io.BytesIO(git("archive", ref)), mode="r:").extractall(other)
+    with tree_of(ref) as other:
         trees = {name: other, "this": str(ROOT)}
         server = EmbeddedRedis().start()
         try:
