@@ -657,12 +657,26 @@ class Coordinator:
                 ties,
             ]
             rows = [self._cache.rows[iid] for iid in candidates]
-            bounds = guard_bounds(rows, ranked_as, s.weights, self._cache.estimated_now_ms())
             cached = bool(request.cached_tokens)
-            for row, (max_inflight, max_pending, max_free_at) in zip(rows, bounds, strict=True):
+            prefills = [
+                row.spec.prefill_ms(request.uncached_on(row.id) if cached else prompt)
+                for row in rows
+            ]
+            bounds = guard_bounds(
+                rows,
+                ranked_as,
+                s.weights,
+                self._cache.estimated_now_ms(),
+                # The guard works on the faded credit (ranked_as): the same prefills
+                # only when there is no credit at all.
+                None if cached else prefills,
+            )
+            for row, prefill, (max_inflight, max_pending, max_free_at) in zip(
+                rows, prefills, bounds, strict=True
+            ):
                 args += [
                     row.id,
-                    row.spec.prefill_ms(request.uncached_on(row.id) if cached else prompt),
+                    prefill,
                     row.spec.decode_ms(expected),
                     max_inflight,
                     max_pending,

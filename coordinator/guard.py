@@ -9,7 +9,11 @@ from coordinator.settings import Weights
 
 
 def guard_bounds(
-    rows: Sequence[InstanceRow], request: RequestShape, weights: Weights, now_ms: int
+    rows: Sequence[InstanceRow],
+    request: RequestShape,
+    weights: Weights,
+    now_ms: int,
+    prefill_ms: Sequence[int] | None = None,
 ) -> list[tuple[int, int, int]]:
     """Per candidate (its row as the node sees it, best first, at Redis time `now_ms`),
     the bounds lua/reserve.lua takes it within:
@@ -26,16 +30,24 @@ def guard_bounds(
       size as the count bound lets it gain. Counts alone let a node with a view a few
       hundred ms old queue a short prompt behind a multi-second prefill another node
       just put on an instance that held one decoding request, the same count as the
-      others; work the counts already allow for is not refused twice."""
+      others; work the counts already allow for is not refused twice.
+
+    `prefill_ms` is each row's predicted prefill of the request's uncached part
+    (`row.spec.prefill_ms`), when the caller has computed them already."""
     bounds: list[tuple[int, int, int]] = []
     floor_inflight = floor_pending = -1  # -1: no later candidate yet
     floor_ttft: int | None = None
     cached = bool(request.cached_tokens)
-    for row in reversed(rows):
+    for j in range(len(rows) - 1, -1, -1):
+        row = rows[j]
         slack = affinity_slack(row.spec, request, weights) if cached else 0
         inflight, pending = row.inflight + slack, row.pending_prefill + slack
-        tokens = request.uncached_on(row.id) if cached else request.prompt_tokens
-        own = row.spec.prefill_ms(tokens)
+        if prefill_ms is not None:
+            own = prefill_ms[j]
+        else:
+            own = row.spec.prefill_ms(
+                request.uncached_on(row.id) if cached else request.prompt_tokens
+            )
         ttft = max(now_ms, row.prefill_free_at_ms) - now_ms + own
         max_inflight = max(inflight, floor_inflight)
         max_free_at = 0
