@@ -2,7 +2,7 @@
 
 A benchmark that compares this checkout with another commit runs both on one server,
 alternating, each in a child process whose code is one tree (bench/prefix_cost.py,
-bench/decision_ab.py): noise on this shared machine then lands on both alike.
+bench/request_ab.py): noise on this shared machine then lands on both alike.
 """
 
 from __future__ import annotations
