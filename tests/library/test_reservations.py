@@ -248,6 +248,20 @@ async def test_cached_tokens_rank_and_predict_only_the_uncached_prefill(
     assert (capped.cached_tokens, capped.prefill_ms) == (10, 0)
 
 
+async def test_a_score_read_later_is_the_one_the_decision_made(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """A reservation's score is built when first read: from the rows as they were
+    ranked, not as later reservations changed them."""
+    c = await make_coordinator("n1")
+    await c.register_instance(spec(0))
+    first = await c.reserve(10, 10)
+    later = [await c.reserve(10, 10) for _ in range(3)]
+    assert first.score is not None and first.score.components["inflight"] == 0
+    assert [r.score.components["inflight"] for r in later] == [1, 2, 3]
+    assert first.score is first.score  # built once
+
+
 def _reserve_args(
     node: str, rid: str, groups: list[tuple[str, int, int]], ties: int = 0, free_at: int = 0
 ) -> list[object]:
