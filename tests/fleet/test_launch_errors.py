@@ -123,7 +123,17 @@ def test_cluster_with_unreachable_redis_says_so() -> None:
 
 
 def test_demo_with_unreachable_redis_says_so() -> None:
-    out = run_cli("demo", "--duration", "1", env={"REDIS_URL": f"redis://127.0.0.1:{free_port()}"})
+    # Its own free ports: the default ones may be taken on this machine, which the
+    # demo reports first.
+    base = free_port_block(3, 4)
+    out = run_cli(
+        "demo",
+        "--duration",
+        "1",
+        "--base-port",
+        str(base),
+        env={"REDIS_URL": f"redis://127.0.0.1:{free_port()}"},
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     assert "does not answer" in out.stderr
 
