@@ -82,12 +82,15 @@ local function member_of(entry, hash)
     .. weight .. hash
 end
 
--- An lru member as stem, owner, epoch, weight, hash (ids have no '#' or '|').
+-- An lru member as {stem, owners entry prefix "<id>|<epoch>|", weight, hash} (ids
+-- have no '#' or '|'; the epoch as the owners entries write it, without padding).
 local function parse_member(m)
-  local owner, e, rest = string.match(m, '^([^#]*)#(%d+)|%d+|(.*)$')
-  local w, hash = string.match(rest, '^(%d+)|(%x+)$')
-  if not w then w, hash = 0, rest end  -- written before weights: never counted
-  return owner .. '#' .. e, owner, tonumber(e), tonumber(w), hash
+  local owner, e, w, hash = string.match(m, '^([^#]*)#(%d+)|%d+|(%d+)|(%x+)$')
+  if not owner then  -- written before weights: never counted
+    owner, e, hash = string.match(m, '^([^#]*)#(%d+)|%d+|(.*)$')
+    w = 0
+  end
+  return {owner .. '#' .. e, owner .. '|' .. tonumber(e) .. '|', tonumber(w), hash}
 end
 
 -- Changes to the owners hash, written at the end in one HSET (and one HDEL): field ->
@@ -107,25 +110,23 @@ local function add_count(field, delta)
   values[field] = (tonumber(values[field]) or 0) + delta
 end
 
--- Take these lru members out of the owners values and counts (loaded first); the
--- caller removes them from the lru.
-local function unlink(members)
-  local parsed, fields = {}, {}
-  for i, m in ipairs(members) do
-    local p = {parse_member(m)}
-    parsed[i] = p
-    fields[#fields + 1] = p[5]
+-- Take these lru members (parse_member's) out of the owners values and counts (loaded
+-- first); the caller removes them from the lru. An owners entry is the member's when
+-- it starts with the member's "<id>|<epoch>|": a prefix compare, no pattern.
+local function unlink(parsed)
+  local fields = {}
+  for _, p in ipairs(parsed) do
+    fields[#fields + 1] = p[4]
     fields[#fields + 1] = p[1]
   end
   load(fields)
   for _, p in ipairs(parsed) do
-    local kept = {}
-    for text in string.gmatch(values[p[5]], '%S+') do
-      local e = entry_of(text)
-      if not (e[1] == p[2] and e[2] == p[3]) then kept[#kept + 1] = text end
+    local kept, head = {}, p[2]
+    for text in string.gmatch(values[p[4]], '%S+') do
+      if string.sub(text, 1, #head) ~= head then kept[#kept + 1] = text end
     end
-    values[p[5]] = table.concat(kept, ' ')
-    add_count(p[1], -p[4])
+    values[p[4]] = table.concat(kept, ' ')
+    add_count(p[1], -p[3])
   end
 end
 
@@ -137,7 +138,9 @@ local function reclaim(lo, hi)
   local members = redis.call('ZRANGEBYLEX', K_LRU, lo, hi, 'LIMIT', 0,
     RECLAIM_BUDGET - reclaimed)
   if #members == 0 then return end
-  unlink(members)
+  local parsed = {}
+  for i, m in ipairs(members) do parsed[i] = parse_member(m) end
+  unlink(parsed)
   redis.call('ZREM', K_LRU, unpack(members))
   reclaimed = reclaimed + #members
 end
@@ -215,14 +218,15 @@ if over > math.min(16, math.floor(capacity / 8)) then
       values[stem] = 0
       break
     end
-    local take = {}
+    local take, parsed = {}, {}
     for _, m in ipairs(batch) do
       if over <= 0 then break end
-      local _, _, _, w = parse_member(m)
+      local p = parse_member(m)
       take[#take + 1] = m
-      over = over - w
+      parsed[#parsed + 1] = p
+      over = over - p[3]
     end
-    unlink(take)
+    unlink(parsed)
     redis.call('ZREM', K_LRU, unpack(take))
     evicted = evicted + #take
   end
