@@ -400,3 +400,24 @@ async def test_entries_written_before_weights_are_replaced_not_leaked(
     assert await lru_members(c) == [f"i0#0000000001|00000000000008999|1|{h}"]
     assert (await owners(c))[h] == "i0|1|8999|1"
     assert await c.prefix.index_tokens([("i0", 1)]) == {"i0": TOKENS}
+
+
+async def test_reclaiming_entries_written_before_weights_unlinks_only_them(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Void entries of an older epoch in the previous script's format ("<id>|<epoch>|
+    <stamp>" owners, lru members without a weight) are reclaimed with their owners
+    entry; another instance's entry on the same block, whose id extends this one's,
+    stays."""
+    c = await setup(make_coordinator, n=11)
+    (h,) = hashes(c, "a")
+    await c.prefix.record("i10", [h])  # i10 at its current epoch (1)
+    old = {f"i1#0000000000|00000000000007999|{h}": 0}  # i1's epoch 0, before weights
+    await c.redis.zadd(c.keys.prefix_lru(), old)
+    await c.redis.hset(c.keys.prefix_owners(), h, f"i1|0|7999 {(await owners(c))[h]}")
+    # The node's next sampled record of i1 (one in SAMPLE_EVERY) reclaims its old epoch.
+    for _ in range(SAMPLE_EVERY):
+        await c.prefix.record("i1", hashes(c, "z"))
+    assert not any(m.startswith("i1#0000000000|") for m in await lru_members(c))
+    assert (await owners(c))[h].split("|")[0] == "i10"
+    assert await c.prefix.cached_tokens([h]) == {"i10": TOKENS}
