@@ -31,9 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TRACES = [ROOT.parent / "shared" / "traces" / f"azure_llm_2023_{k}.csv" for k in ("code", "conv")]
 UTILIZATIONS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 TABLE_UTILIZATION = 0.8
-PROPOSED = "backlog_ms=0.05"  # the weight change the what-if rows try
-NO_HINTS = "engine_running=0,engine_waiting=0"  # least_load without the scraped hints
-PROPOSED_LABEL = f"least_load, {PROPOSED} (proposed)"
+# The what-if rows name their preset: unnamed weights keep the `seed` preset's.
+PROPOSED = "seed,backlog_ms=0.05"  # the seed's weights with the backlog weighed 50x
+NO_HINTS = "ttft,engine_running=0,engine_waiting=0"  # the defaults without engine hints
+PROPOSED_LABEL = f"least_load, weights {PROPOSED}"
 
 
 def rel(path: Path | str) -> str:
@@ -198,18 +199,17 @@ def findings(
         "plus the request's own uncached prefill) at 0.2 per ms: 5 ms of predicted TTFT "
         "count as much as one request, so a pending 8k-token prompt outweighs any queue "
         "of short ones. "
-        "*Stale hints*: engine_running at weight 1.0 repeats what the "
-        "shared inflight counter already knows, up to one scrape interval late, so it "
-        "adds noise: on the conversation trace least_load_instantaneous is worse than "
-        "per-node counting, even with hints scraped every 100 ms. *The expected output* does "
+        "*Hints*: a raw engine_running repeats what the shared inflight counter already "
+        "knows, up to one scrape interval late, so it adds noise: on the conversation "
+        "trace least_load_instantaneous (raw hints) is worse than per-node counting, even "
+        "with hints scraped every 100 ms. least_load counts hints beyond the fleet's own "
+        "reservations when they were stored (README), which leaves that noise out; the "
+        "row without hints shows what they add. *The expected output* does "
         "not move the ranking: it enters the score only through `next_slot_ready_in_ms`, "
         "which is non-zero only while an instance holds `max_slots` reservations.",
         "",
-        "Proposed model change (not made here; `coordinator/settings.py` owns the "
-        "defaults): discount an instantaneous hint by its age (weight × max(0, 1 − age "
-        "/ hint_ttl)) whenever the predicted layer is present. The engines here match "
-        "their registration exactly; learned timing on engines that do not is measured "
-        "in the `prediction-*` sections below.",
+        "The engines here match their registration exactly; learned timing on engines "
+        "that do not is measured in the `prediction-*` sections below.",
     ]
     return "\n".join(lines)
 
