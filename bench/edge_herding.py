@@ -136,14 +136,15 @@ def main(argv: list[str] | None = None) -> int:
             "|---|---:|---:|---|---:|",
             *(o.line(name) for name, o in out.items()),
             "",
-            "Engine hints count only the load beyond the fleet's own reservations (README, "
-            "*Engine hints count beyond the reservations*): a report from one burst no "
-            "longer makes its instances look busy during the next. A spread left with "
-            "hints weighted 0 too is not theirs; "
-            "`coordinator bench herding` (above) shows that simultaneous reserves alone "
-            "land evenly. Here requests reach the nodes over tens of milliseconds, so "
-            "the first ones' prefills may be over when the last are ranked, and the "
-            "ranking then weighs predicted TTFT against counts.",
+            "An engine's hints (`num_requests_running`, `num_requests_waiting`) count "
+            "the fleet's own requests, which the score counts already as reservations; a "
+            "report from one burst can still be fresh during the next and make the "
+            "instances it saw busy look busy when they are idle. The row with hints "
+            "weighted 0 shows what that costs here. A spread left with hints weighted 0 "
+            "too is not theirs; `coordinator bench herding` (above) shows that "
+            "simultaneous reserves alone land evenly. Here requests reach the nodes over "
+            "tens of milliseconds, so the first ones' prefills may be over when the last "
+            "are ranked, and the ranking then weighs predicted TTFT against counts.",
         ]
     )
     print(text)

@@ -198,29 +198,6 @@ class Hint:
     at_ms: int
 
 
-def beyond_reservations(hints: dict[str, float], reserved: int) -> dict[str, float]:
-    """The engine hints of one report less the fleet's own requests (lua/_lib.lua
-    store_hint_args does the same): the instance's live reservations when the report
-    was stored count first against `engine_running`, the rest against `engine_waiting`.
-
-    The score adds these to the reservations themselves (`inflight`), so a raw
-    count would weigh each of the fleet's requests twice while the report is fresh,
-    and a report scraped during a burst would keep an idle instance looking busy
-    until the next scrape. What is left is the load the fleet does not know of
-    (other clients, requests an engine still runs after their release).
-    `queue_depth` is the fleet's own count: unchanged.
-    """
-    out = dict(hints)
-    left = float(max(0, reserved))
-    for name in ("engine_running", "engine_waiting"):
-        value = hints.get(name)
-        if value is not None:
-            taken = min(float(value), left)
-            out[name] = float(value) - taken
-            left -= taken
-    return out
-
-
 @dataclass(slots=True)
 class InstanceRow:
     """One instance's raw state as stored in Redis (absolute Redis times)."""

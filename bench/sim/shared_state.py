@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from coordinator.models import HINT_NAMES, Hint, InstanceRow, InstanceSpec, beyond_reservations
+from coordinator.models import HINT_NAMES, Hint, InstanceRow, InstanceSpec
 from coordinator.timing import TimingSource
 
 
@@ -61,12 +61,9 @@ class _Instance:
 class SharedState:
     """One pool's reservations and counters, as Redis holds them."""
 
-    def __init__(self, *, raw_hints: bool = False) -> None:
+    def __init__(self) -> None:
         self._instances: dict[str, _Instance] = {}
         self._reservations: dict[str, SimReservation] = {}
-        # Keep engine hints as reported instead of beyond the reservations, as the
-        # store scripts keep them (the hints-only baseline, which is no product mode).
-        self._raw_hints = raw_hints
 
     def _touch(self, inst: _Instance) -> None:
         inst.row = None  # the packed record changed: rebuild the row
@@ -97,13 +94,9 @@ class SharedState:
         """heartbeat.lua: refresh liveness and store the hints given (others keep theirs)."""
         inst = self._instances[instance_id]
         inst.last_seen_ms = now_ms
-        given = hints or {}
-        for name in given:
+        for name, value in (hints or {}).items():
             if name not in HINT_NAMES:
                 raise ValueError(f"unknown hint {name!r}")
-        if not self._raw_hints:
-            given = beyond_reservations(given, inst.inflight)
-        for name, value in given.items():
             inst.hints[name] = Hint(float(value), now_ms)
         self._touch(inst)
 

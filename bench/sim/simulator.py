@@ -368,7 +368,7 @@ class Simulation:
         self.queued_prefill = [0] * c.instances
         self.active_tokens = [0] * c.instances
         self.uncached_of: dict[int, int] = {}
-        self.state = SharedState(raw_hints=self.strategy == "least_load_instantaneous")
+        self.state = SharedState()
         for s in self.configured:
             self.state.register(s, 0)
         # What predicts: the configured specs resolved with learned records (timing.py).

@@ -318,48 +318,26 @@ local function bad_hint_args()
   return nil
 end
 
--- Store the reported hints of ARGV[2..4] for `id`, stamped with the Redis time: as
--- reported ('<id>:<hint>'), and for engine_running and engine_waiting also beyond the
--- fleet's own requests ('<id>:<hint>_beyond', what the score reads): the instance's
--- live reservations now count first against engine_running, the rest against
--- engine_waiting (coordinator/models.py beyond_reservations). The score adds the
--- reservations themselves, so raw counts would weigh the fleet's requests twice, and
--- a report from a burst would keep an idle instance looking busy until the next one.
+-- Store the reported hints of ARGV[2..4] for `id`, stamped with the Redis time.
 local function store_hint_args(id, now)
-  local left = nil  -- the reservations not matched yet; read when first needed
   for i = 2, 4 do
     if ARGV[i] ~= '' then
       local name = id .. ':' .. HINTS[i - 1]
-      local v = tonumber(ARGV[i])
       -- Stored re-formatted: Lua reads '0x10' or ' 5', the Python reader may not.
-      local value, at = string.format('%.17g', v), string.format('%d', now)
-      if i == 4 then
-        redis.call('HSET', K_HINTS, name, value, name .. '_at_ms', at)
-      else
-        if left == nil then
-          local st = slot_state(id)
-          left = st and st.pending + st.decode or 0
-        end
-        local taken = math.min(v, left)
-        left = left - taken
-        redis.call('HSET', K_HINTS, name, value, name .. '_at_ms', at,
-          name .. '_beyond', string.format('%.17g', v - taken))
-      end
+      local value = string.format('%.17g', tonumber(ARGV[i]))
+      redis.call('HSET', K_HINTS, name, value, name .. '_at_ms', string.format('%d', now))
     end
   end
 end
 
--- Rewrite instance `id`'s packed liveness record (last_seen and hints; a hint stored
--- before hints were kept beyond the reservations counts as reported).
+-- Rewrite instance `id`'s packed liveness record (last_seen and hints).
 local function sync_live(id)
   local slot = redis.call('HGET', K_SLOT, id)
   if not slot then return end
   local parts = {be(num(K_LAST_SEEN, id), 6)}
   for _, name in ipairs(HINTS) do
-    local field = id .. ':' .. name
-    local got = redis.call('HMGET', K_HINTS, field .. '_at_ms', field .. '_beyond', field)
-    local at = got[1]
-    local value = at and tonumber(got[2] or got[3]) or 0
+    local at = redis.call('HGET', K_HINTS, id .. ':' .. name .. '_at_ms')
+    local value = at and tonumber(redis.call('HGET', K_HINTS, id .. ':' .. name)) or 0
     table.insert(parts, be(math.floor(value * 1000 + 0.5), 4) .. be(at or 0, 6))
   end
   redis.call('SETRANGE', K_LIVE, tonumber(slot) * LIVE_BYTES, table.concat(parts))

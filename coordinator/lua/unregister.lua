@@ -20,8 +20,7 @@ for _, key in ipairs({K_SPEC, K_EPOCH, K_LAST_SEEN, K_MAX_SLOTS}) do
   redis.call('HDEL', key, id)
 end
 for _, name in ipairs(HINTS) do
-  redis.call('HDEL', K_HINTS, id .. ':' .. name, id .. ':' .. name .. '_at_ms',
-    id .. ':' .. name .. '_beyond')
+  redis.call('HDEL', K_HINTS, id .. ':' .. name, id .. ':' .. name .. '_at_ms')
 end
 spec_changed(id, now)
 sweep(SWEEP_BUDGET)
