@@ -202,9 +202,9 @@ def findings(
         "*Hints*: a raw engine_running repeats what the shared inflight counter already "
         "knows, up to one scrape interval late, so it adds noise: on the conversation "
         "trace least_load_instantaneous (raw hints) is worse than per-node counting, even "
-        "with hints scraped every 100 ms. least_load counts hints beyond the fleet's own "
-        "reservations when they were stored (README), which leaves that noise out; the "
-        "row without hints shows what they add. *The expected output* does "
+        "with hints scraped every 100 ms. The row without hints shows what they add to "
+        "least_load here (the simulated engines serve only the fleet, so every hint "
+        "repeats reservations). *The expected output* does "
         "not move the ranking: it enters the score only through `next_slot_ready_in_ms`, "
         "which is non-zero only while an instance holds `max_slots` reservations.",
         "",
