@@ -381,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"![TTFT CDF, {name}](img/{cdf.name})\n\n"
             f"![TTFT p99 vs utilization, {name}](img/{p99.name})\n\n"
             f"Both plots: `{command}` (utilizations {', '.join(f'{u:g}' for u in utilizations)}; "
-            f"the dashed line is least_load with the proposed `{PROPOSED}`)."
+            f"the dashed line is least_load with the weights `{PROPOSED}`)."
         )
     parts.append(findings(summary))
     seconds = time.monotonic() - started
