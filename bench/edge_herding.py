@@ -10,9 +10,11 @@ nodes in their default configuration, streaming requests, mock engines whose
 spread = the most minus the fewest. A trial starts `--gap-s` after the previous one
 ended, so the nodes' last hint scrape may have seen that burst.
 
-The same trials run against a second cluster whose nodes give engine hints no weight
-(the engines' heartbeats and the nodes' scrapes still report them), alternating, so
-both see the same machine. Loopback only; the clusters stop by themselves.
+The same trials run, alternating, against a cluster whose nodes give engine hints no
+weight (the engines' heartbeats and the nodes' scrapes still report them) and one
+whose nodes rank on request counts alone (the seed's weights without hints or
+backlog), so every configuration sees the same machine. Loopback only; the clusters
+stop by themselves.
 
     python bench/edge_herding.py --trials 20 --write-docs
 """
@@ -33,6 +35,7 @@ from local_fleet.cluster import LocalCluster, free_port_block
 CONFIGS = {
     "default": {},
     "engine hints weighted 0": {"COORD_WEIGHTS": "ttft,engine_running=0,engine_waiting=0"},
+    "request counts only": {"COORD_WEIGHTS": "seed,engine_running=0,engine_waiting=0,backlog_ms=0"},
 }
 
 
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             f"streaming requests through each of {args.nodes} `coordinator serve` nodes "
             f"({total} in all) onto {args.engines} idle mock engines, "
             f"{args.gap_s:g} s after the previous trial's requests ended; spread = most "
-            "minus fewest requests per engine. The two clusters ran alternately.",
+            "minus fewest requests per engine. The clusters ran alternately.",
             "",
             "| nodes' configuration | trials with spread 0 | worst spread | spreads (spread: "
             "trials) | failed requests |",
@@ -139,12 +142,13 @@ def main(argv: list[str] | None = None) -> int:
             "An engine's hints (`num_requests_running`, `num_requests_waiting`) count "
             "the fleet's own requests, which the score counts already as reservations; a "
             "report from one burst can still be fresh during the next and make the "
-            "instances it saw busy look busy when they are idle. The row with hints "
-            "weighted 0 shows what that costs here. A spread left with hints weighted 0 "
-            "too is not theirs; `coordinator bench herding` (above) shows that "
-            "simultaneous reserves alone land evenly. Here requests reach the nodes over "
+            "instances it saw busy look busy when they are idle: compare the first two "
+            "rows. The third ranks on request counts alone, as `coordinator bench "
+            "herding` (above) checks the reserve path: compare it with the second for "
+            "what the default's TTFT-aware ranking adds. Requests reach the nodes over "
             "tens of milliseconds, so the first ones' prefills may be over when the last "
-            "are ranked, and the ranking then weighs predicted TTFT against counts.",
+            "are ranked, and an instance whose prefill is free can then win a second "
+            "request over one whose prefill is still busy.",
         ]
     )
     print(text)
