@@ -7,8 +7,8 @@ nodes in their default configuration, streaming requests, mock engines whose
 `/metrics` the nodes scrape into hints, and learned timing. Each trial sends
 `--per-node` streaming requests through each of `--nodes` nodes at once onto
 `--engines` engines and counts the requests per engine (from `X-Instance-Id`);
-spread = the most minus the fewest. A trial starts `--gap-s` after the previous one
-ended, so the nodes' last hint scrape may have seen that burst.
+spread = the most minus the fewest. A cluster's trial starts at least `--gap-s` after
+its previous one ended, so the nodes' last hint scrape may have seen that burst.
 
 The same trials run, alternating, against a cluster whose nodes give engine hints no
 weight (the engines' heartbeats and the nodes' scrapes still report them) and one
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from bench.docs import add_write_docs, write_section
+from bench.herding import spread
 from local_fleet.cluster import LocalCluster, free_port_block
 
 CONFIGS = {
@@ -73,12 +74,6 @@ async def burst(session: aiohttp.ClientSession, urls: list[str], per_node: int) 
     return list(await asyncio.gather(*(one(u) for u in urls for _ in range(per_node))))
 
 
-def spread(where: list[str], engines: int) -> int:
-    counts = Counter(w for w in where if w)
-    per = [counts.get(f"engine-{j}", 0) for j in range(engines)]
-    return max(per) - min(per)
-
-
 async def run(args: argparse.Namespace) -> dict[str, Outcome]:
     clusters = {}
     try:
@@ -99,7 +94,8 @@ async def run(args: argparse.Namespace) -> dict[str, Outcome]:
                 for name, c in clusters.items():
                     where = await burst(session, c.node_urls, args.per_node)
                     out[name].failed += where.count("")
-                    out[name].spreads.append(spread(where, args.engines))
+                    engines = [f"engine-{j}" for j in range(args.engines)]
+                    out[name].spreads.append(spread(where, engines))
                     print(f"  trial {t + 1}/{args.trials} {name}: spread {out[name].spreads[-1]}",
                           flush=True)  # fmt: skip
                     await asyncio.sleep(args.gap_s / len(clusters))
@@ -131,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             f"in {time.monotonic() - t0:.0f} s. Each trial: {args.per_node} simultaneous "
             f"streaming requests through each of {args.nodes} `coordinator serve` nodes "
             f"({total} in all) onto {args.engines} idle mock engines, "
-            f"{args.gap_s:g} s after the previous trial's requests ended; spread = most "
-            "minus fewest requests per engine. The clusters ran alternately.",
+            f"at least {args.gap_s:g} s after the same cluster's previous trial ended; "
+            "spread = most minus fewest requests per engine. The clusters ran alternately.",
             "",
             "| nodes' configuration | trials with spread 0 | worst spread | spreads (spread: "
             "trials) | failed requests |",

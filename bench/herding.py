@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -95,8 +95,17 @@ def trial(url: str, strategy: str, nodes: int, burst: int, instances: int, n: in
             )
     finally:
         delete_pool(url, pool, SETTINGS.key_prefix)
-    counts = Counter(p for node_picks in picks for p in node_picks)
-    per_instance = [counts.get(f"inst-{i:04d}", 0) for i in range(instances)]
+    return spread(
+        [p for node_picks in picks for p in node_picks],
+        [f"inst-{i:04d}" for i in range(instances)],
+    )
+
+
+def spread(picks: Iterable[str], ids: Sequence[str]) -> int:
+    """Most minus fewest picks over the instances `ids` (ids never picked count 0;
+    picks of no listed id, such as '' for a failed request, are ignored)."""
+    counts = Counter(picks)
+    per_instance = [counts.get(i, 0) for i in ids]
     return max(per_instance) - min(per_instance)
 
 

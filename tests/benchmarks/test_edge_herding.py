@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from bench.edge_herding import Outcome, main, spread
+from bench.edge_herding import Outcome, main
+from bench.herding import spread
 
 
 def test_spread_counts_engines_that_got_nothing_and_skips_failures() -> None:
-    assert spread(["engine-0", "engine-1", "engine-0", "engine-1"], 2) == 0
-    assert spread(["engine-0", "engine-0", ""], 2) == 2  # engine-1 got none
-    assert spread(["engine-0", "engine-1", "engine-2", "engine-2"], 4) == 2
+    two, four = ["engine-0", "engine-1"], [f"engine-{j}" for j in range(4)]
+    assert spread(["engine-0", "engine-1", "engine-0", "engine-1"], two) == 0
+    assert spread(["engine-0", "engine-0", ""], two) == 2  # engine-1 got none
+    assert spread(["engine-0", "engine-1", "engine-2", "engine-2"], four) == 2
 
 
 def test_outcome_line_reports_even_trials_worst_and_the_distribution() -> None:
