@@ -104,15 +104,17 @@ if ties >= 2 then
   for i = 1, n do ids[i] = ARGV[G + 6 * (i - 1) + 1] end
   for i = 1, ties do tied[i] = i end
   slots = redis.call('HMGET', K_SLOT, unpack(ids))
-  local function slot_of(i) return tonumber(slots[i]) or -1 end
+  -- Each slot as a number once: a string's tonumber costs more than the whole sort.
+  local slot_of = {}
+  for i = 1, ties do slot_of[i] = tonumber(slots[i]) or -1 end
   table.sort(tied, function(a, b)
-    local sa, sb = slot_of(a), slot_of(b)
+    local sa, sb = slot_of[a], slot_of[b]
     if sa ~= sb then return sa < sb end
     return a < b
   end)
   local last, start = pool_counts().tie_last, 1
   for k = 1, ties do
-    if slot_of(tied[k]) > last then start = k break end
+    if slot_of[tied[k]] > last then start = k break end
   end
   for k = 0, ties - 1 do order[k + 1] = tied[(start - 1 + k) % ties + 1] end
 end
