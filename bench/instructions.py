@@ -1,0 +1,422 @@
+"""Redis server instructions per request, counted by valgrind's callgrind: a cost that
+does not move with this shared machine's speed (the µs of bench/scaling.py and
+bench/prefix_cost.py move 2-4x from one day to the next), for comparing script changes.
+
+    python bench/instructions.py [--against REF] [--instances 64 1024] [--requests 300]
+
+Each tree (this checkout, and REF's when given) runs its own node code in a child
+process: on a private server it sets a workload's pool up, keeps the pool's keys
+(DUMP) and records every call the nodes then send. The parent replays each recording
+on one server run under callgrind, from the state the recording started from (RESTORE),
+with that tree's scripts, counting instructions only inside `processCommand`: the
+execution of each command a client sent, scripts and the commands they run included,
+socket reads, parsing and writes not. The same calls from the same state run nearly
+the same instructions: replays of one recording agree within about 2% (what differs is
+the Redis clock the scripts read, so the numbers they format and the strings Lua
+interns and collects), against 2-4x for µs on this machine from one day to the next.
+
+Workloads (`--instances` each):
+- request: one node's proxied requests, as bench/scaling.py section 1 makes them:
+  `reserve`, its first-token mark and (8 requests later) its release, which ride on
+  the node's next `reserve`;
+- index follow-up / index new prompt: the prefix index's lookup (one HMGET) and
+  `record_prefix` with every instance's index full at 100,000 tokens of 30-block
+  conversations, for a follow-up turn (+2 blocks on a held conversation, sent to its
+  holder) and for a new 30-block prompt (bench/prefix_report.py's cost table).
+
+Needs valgrind on PATH (Debian's package `valgrind`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import os
+import pickle
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# Nothing of this checkout is imported at the top: a child process loads this file to
+# record with another tree's code, which must come first on its path.
+ROOT = Path(__file__).resolve().parent.parent
+
+WORKLOADS = ("request", "index follow-up", "index new prompt")
+WARMUP = 20  # request cycles before the recording starts (a steady state of live ones)
+LIVE = 8  # live reservations per node, as bench/scaling.py keeps them
+INDEX_TOKENS = 100_000  # each instance's prefix index, filled before recording
+BLOCKS, ADDED = 30, 2  # a conversation's blocks; the blocks a follow-up turn adds
+TOGGLE = "processCommand"  # callgrind counts only inside this server function
+PIPELINE = 500  # calls per pipeline in a replay
+LUA_GC_PERIOD = 50  # Redis steps Lua's collector once every this many scripts
+
+# Runs in a child whose code is one tree (argv[1]); the workloads are this file's.
+RUNNER = """
+import asyncio, importlib.util, sys
+tree, here, url, instances, requests, out = sys.argv[1:7]
+sys.path.insert(0, tree)
+spec = importlib.util.spec_from_file_location("instructions_workloads", here)
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+bench.record_all(url, int(instances), int(requests), out)
+"""
+
+Call = tuple[str, str, list[Any], list[Any]]  # ("evalsha", script, keys, args) | ("hmget", ...)
+
+
+class CallLog:
+    """The calls a workload's node sends, in order, with each reply's status word."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self.statuses: list[Any] = []
+        self.on = False
+
+    def attach(self, c: Any) -> None:
+        """Record `c`'s script calls and its prefix index's lookups while `on`."""
+        inner = c._direct_call
+        log = self
+
+        async def recording(name: str, args: list[Any], extra: tuple[Any, ...] = ()) -> Any:
+            reply = await inner(name, args, extra)
+            if log.on:
+                log.calls.append(("evalsha", name, [*c._columns, *extra], list(args)))
+                log.statuses.append(status_of(reply))
+            return reply
+
+        c._direct_call = recording
+        prefix = getattr(c, "prefix", None)
+        if prefix is not None:
+            redis = prefix._redis
+
+            class Lookups:
+                def __getattr__(self, attr: str) -> Any:
+                    return getattr(redis, attr)
+
+                async def hmget(self, key: str, fields: list[str]) -> Any:
+                    reply = await redis.hmget(key, fields)
+                    if log.on:
+                        log.calls.append(("hmget", "", [key], list(fields)))
+                        log.statuses.append(sum(v is not None for v in reply))
+                    return reply
+
+            prefix._redis = Lookups()
+
+
+def status_of(reply: Any) -> Any:
+    """A script reply's status word ('ok', 'stale', ...), or its type's name."""
+    if isinstance(reply, list) and reply and isinstance(reply[0], str | bytes):
+        first = reply[0]
+        return first.decode() if isinstance(first, bytes) else first
+    return type(reply).__name__
+
+
+def pool_keys(client: Any, pool: str) -> dict[bytes, bytes]:
+    """Every key of a pool, DUMPed."""
+    from coordinator.keys import PoolKeys
+    from coordinator.settings import Settings
+
+    pattern = PoolKeys(Settings().key_prefix, pool).pattern()
+    return {k: client.dump(k) for k in client.scan_iter(match=pattern, count=1000)}
+
+
+def record_all(url: str, instances: int, requests: int, out: str) -> None:
+    """Record every workload on the server at `url` (this tree's code), pickled to `out`
+    with the tree's script texts."""
+    from coordinator.scripts import SCRIPT_NAMES, with_prelude
+
+    texts = {}
+    lua = Path(sys.modules["coordinator.scripts"].__file__ or "").parent / "lua"
+    for name in SCRIPT_NAMES:
+        texts[name] = with_prelude((lua / f"{name}.lua").read_text())
+    recorded = {w: asyncio.run(_record(w, url, instances, requests)) for w in WORKLOADS}
+    Path(out).write_bytes(pickle.dumps({"scripts": texts, "workloads": recorded}))
+
+
+async def _record(workload: str, url: str, instances: int, requests: int) -> dict[str, Any]:
+    from redis import Redis as SyncRedis
+
+    from coordinator import Coordinator, InstanceSpec, Settings
+    from coordinator.prefix import block_hashes, salt_key
+
+    pool = f"ins-{instances}-{workload.replace(' ', '-')}"
+    settings = Settings(
+        instance_ttl_ms=600_000,
+        lease_ms=600_000,
+        redis_timeout_ms=5_000,
+        prefix_cache_tokens=INDEX_TOKENS,
+    )
+    sync = SyncRedis.from_url(url)
+    c = await Coordinator.connect(url, pool=pool, node_id="n0", settings=settings, background=False)
+    log = CallLog()
+    log.attach(c)
+    try:
+        for i in range(instances):  # as bench/scaling.py registers them
+            await c.register_instance(
+                InstanceSpec(
+                    id=f"i{i:05d}",
+                    url=f"http://10.{i // 62500}.{i // 250 % 250}.{i % 250}:8000",
+                    max_slots=64,
+                    prefill_ms_per_token=0.08,
+                    prefill_overhead_ms=10.0,
+                    decode_ms_per_token=16.0,
+                    model="llama-3.1-8b-instruct",
+                    tags=("h100", f"zone-{i % 3}"),
+                )
+            )
+        await c.refresh()
+        if workload == "request":
+            live: list[str] = []
+
+            async def cycles(n: int) -> None:
+                for _ in range(n):
+                    res = await c.reserve(512, 128)
+                    c.first_token_soon(res.rid)
+                    live.append(res.rid)
+                    if len(live) > LIVE:
+                        c.release_soon(live.pop(0))
+
+            await cycles(WARMUP)
+            start = pool_keys(sync, pool)
+            log.on = True
+            await cycles(requests)
+            log.on = False
+        else:
+            prefix = c.prefix
+            key = salt_key(pool, settings.prefix_salt)
+            chars = settings.prefix_block_chars
+
+            def text(i: int, k: int, blocks: int) -> str:
+                return f"{i}:{k}:" + "x" * (chars * blocks)
+
+            held_each = INDEX_TOKENS // prefix.block_tokens // BLOCKS
+            for i in range(instances):
+                for k in range(held_each):
+                    hashes = block_hashes(text(i, k, BLOCKS), key, chars, BLOCKS)
+                    await prefix.record(f"i{i:05d}", hashes)
+            rng = random.Random(0)
+            batch = []
+            for n in range(requests):
+                i = rng.randrange(instances)
+                if workload.endswith("new prompt"):
+                    hashes = block_hashes(text(i, held_each + n, BLOCKS), key, chars, BLOCKS)
+                else:
+                    size = BLOCKS + ADDED
+                    hashes = block_hashes(text(i, rng.randrange(held_each), size), key, chars, size)
+                batch.append((f"i{i:05d}", hashes))
+            start = pool_keys(sync, pool)
+            log.on = True
+            for iid, hashes in batch:
+                found = await prefix.cached_tokens(hashes)
+                await prefix.record(iid, hashes, found.get(iid, 0))
+            log.on = False
+    finally:
+        await c.close()
+        keys = list(sync.scan_iter(match=c.keys.pattern(), count=1000))
+        if keys:
+            sync.delete(*keys)
+        sync.close()
+    return {"start": start, "calls": log.calls, "statuses": log.statuses, "requests": requests}
+
+
+class CallgrindServer:
+    """A private server run under valgrind's callgrind, counting inside TOGGLE only."""
+
+    def __init__(self) -> None:
+        from local_fleet.embedded import find_server_binary, free_port
+
+        if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+            sys.exit(
+                "bench/instructions.py needs valgrind on PATH (Debian: apt-get install valgrind)"
+            )
+        self.dir = tempfile.TemporaryDirectory(prefix="coordinator-callgrind-")
+        self.port = free_port()
+        self.out = Path(self.dir.name) / "callgrind.out"
+        self.process = subprocess.Popen(
+            ["valgrind", "--tool=callgrind", f"--toggle-collect={TOGGLE}",
+             f"--callgrind-out-file={self.out}", find_server_binary(),
+             "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir.name],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        from local_fleet.embedded import pings
+
+        deadline = time.monotonic() + 60  # valgrind starts a server about 50x slower
+        while not pings(self.port):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                sys.exit("the server did not start under valgrind")
+            time.sleep(0.1)
+
+    def control(self, command: str) -> None:
+        """Send callgrind_control a command (-z zero, -d dump) and wait for it to act."""
+        subprocess.run(
+            ["callgrind_control", command, str(self.process.pid)],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def instructions(self, run: Any) -> int:
+        """Instructions counted while `run()` executes."""
+        before = set(Path(self.dir.name).glob("callgrind.out*"))
+        self.control("-z")
+        run()
+        self.control("-d")
+        dumps = set(Path(self.dir.name).glob("callgrind.out*")) - before
+        if not dumps:
+            raise RuntimeError("callgrind wrote no dump")
+        dump = max(dumps, key=os.path.getmtime)
+        for line in dump.read_text().splitlines():
+            if line.startswith("summary:"):
+                dump.unlink()
+                return int(line.split()[1])
+        raise RuntimeError(f"no summary line in {dump}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(30)
+        self.dir.cleanup()
+
+
+def replay(
+    server: CallgrindServer, scripts: dict[str, str], recorded: dict[str, Any]
+) -> dict[str, float]:
+    """Instructions per request of one recording replayed with `scripts`, and the share
+    of its calls whose status equals the recording's."""
+    from redis import Redis as SyncRedis
+
+    client = SyncRedis(port=server.port)
+    try:
+        client.flushall()
+        for key, value in recorded["start"].items():
+            client.restore(key, 0, value, replace=True)
+        sha = {name: client.script_load(text) for name, text in scripts.items()}
+        calls = recorded["calls"]
+        replies: list[Any] = []
+        # Nearly the same Lua heap and collector phase at the start of every replay: a
+        # full collection, and scripts run since the server started a multiple of the
+        # period of Redis's own collection steps (padded at the end).
+        client.eval("collectgarbage('collect') return 1", 0)
+        scripts_run = 1 + sum(kind == "evalsha" for kind, _, _, _ in calls)
+
+        def run() -> None:
+            for at in range(0, len(calls), PIPELINE):
+                pipe = client.pipeline(transaction=False)
+                for kind, name, keys, args in calls[at : at + PIPELINE]:
+                    if kind == "hmget":
+                        pipe.hmget(keys[0], args)
+                    else:
+                        pipe.evalsha(sha[name], len(keys), *keys, *args)
+                replies.extend(pipe.execute(raise_on_error=False))
+
+        total = server.instructions(run)
+        for _ in range(-scripts_run % LUA_GC_PERIOD):
+            client.eval("return 1", 0)
+    finally:
+        client.close()
+    statuses = [
+        sum(v is not None for v in r) if kind == "hmget" else status_of(r)
+        for (kind, _, _, _), r in zip(calls, replies, strict=True)
+    ]
+    same = sum(a == b for a, b in zip(statuses, recorded["statuses"], strict=True))
+    return {
+        "per_request": total / recorded["requests"],
+        "calls_per_request": len(calls) / recorded["requests"],
+        "same": same / max(1, len(calls)),
+    }
+
+
+def record_tree(tree: str, url: str, instances: int, requests: int) -> dict[str, Any]:
+    """Run RUNNER for one tree; its recordings and script texts."""
+    with tempfile.NamedTemporaryFile(suffix=".pickle") as out:
+        child = subprocess.run(
+            [sys.executable, "-c", RUNNER, tree, str(Path(__file__).resolve()), url,
+             str(instances), str(requests), out.name],
+            capture_output=True, text=True, cwd=tree,
+        )  # fmt: skip
+        if child.returncode:
+            sys.exit(f"recording with {tree} failed:\n{child.stderr}")
+        data: dict[str, Any] = pickle.loads(Path(out.name).read_bytes())
+    return data
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from bench.against import tree_of
+    from local_fleet.embedded import EmbeddedRedis
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--against", default=None, help="git ref to compare with (default: none)")
+    parser.add_argument("--instances", type=int, nargs="+", default=[64, 1024])
+    parser.add_argument("--requests", type=int, default=300, help="recorded per workload")
+    args = parser.parse_args(argv)
+    if min(args.instances) < 1 or args.requests < 1:
+        parser.error("--instances and --requests must be >= 1")
+    if importlib.util.find_spec("redis") is None:
+        parser.error("redis-py is not installed")
+    trees = {"this": str(ROOT)}
+    rows = []
+    with tree_of(args.against) if args.against else _no_tree() as other:
+        if other:
+            trees = {args.against[:10]: other, **trees}
+        recorder = EmbeddedRedis().start()
+        server = CallgrindServer()
+        try:
+            for n in args.instances:
+                for label, tree in trees.items():
+                    print(f"{n} instances, {label}: recording", file=sys.stderr, flush=True)
+                    data = record_tree(tree, recorder.url, n, args.requests)
+                    if not rows:  # a new server's first replay counts about 1% more
+                        replay(server, data["scripts"], data["workloads"][WORKLOADS[0]])
+                    for workload in WORKLOADS:
+                        result = replay(server, data["scripts"], data["workloads"][workload])
+                        rows.append((workload, n, label, result))
+                        print(f"  {workload}: {result['per_request']:,.0f} instructions/request",
+                              file=sys.stderr, flush=True)  # fmt: skip
+        finally:
+            server.stop()
+            recorder.stop()
+    print(table(rows, args.requests))
+    return 0
+
+
+class _no_tree:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def table(rows: list[tuple[str, int, str, dict[str, float]]], requests: int) -> str:
+    """The results as a markdown table, each workload's trees side by side."""
+    lines = [
+        f"Server instructions per request inside `{TOGGLE}` (callgrind), {requests} "
+        "recorded requests per workload, replayed from the state they started from.",
+        "",
+        "| workload | instances | code | instructions/request | ratio to the first | "
+        "calls/request | same status |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    first: dict[tuple[str, int], float] = {}
+    for workload, n, label, r in rows:
+        base = first.setdefault((workload, n), r["per_request"])
+        lines.append(
+            f"| {workload} | {n:,} | {label} | {r['per_request']:,.0f} | "
+            f"{r['per_request'] / base:.3f} | {r['calls_per_request']:.2f} | {r['same']:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    raise SystemExit(main())
