@@ -2,11 +2,11 @@
 -- The prefix index approximates each engine's prefix KV cache (coordinator/prefix.py):
 -- - owners: block hash -> up to `max_owners` space-separated
 --   "<id>|<epoch>|<stamp>|<weight>", most recent last; nodes HMGET it at decision time
---   (coordinator/prefix_index.py). Two kinds of fields beside the block hashes (a '#'
---   keeps them apart from hex), so that one HMGET reads and one HSET writes all a call
+--   (coordinator/prefix_index.py). Fields beside the block hashes (a '#' keeps them
+--   apart from hex), so that one HMGET reads and one HSET writes all a call
 --   needs: "<id>#<epoch:010d>" -> the blocks the instance's entries stand for (the sum
---   of their weights, which its capacity bounds), and "#calls" -> this pool's record
---   calls, the order of the stamps;
+--   of their weights, which its capacity bounds), "#calls" -> this pool's record
+--   calls, the order of the stamps, and "#about" (below);
 -- - lru: lex zset "<id>#<epoch:010d>|<stamp:017d>|<weight>|<hash>", so one instance's
 --   current epoch is one lex range in LRU order.
 -- A node records an entry every few blocks of a prompt and at its last block
@@ -32,6 +32,12 @@
 --   in prompt order, at most 512 pairs
 -- returns {'ok', recorded, evicted, reclaimed} | {'gone'} (the id is not registered)
 local K_OWNERS, K_LRU = KEYS[17], KEYS[18]
+-- The owners hash's "#about" field, written with its first record: a value longer
+-- than hash-max-listpack-value (64 bytes by default) keeps the hash in Redis's
+-- hashtable encoding. As a listpack (up to hash-max-listpack-entries fields: 128 or
+-- 512 by default), a lookup's HMGET of up to 128 fields would scan the whole hash
+-- once per field. One literal: Lua 5.1 would join two on every call.
+local ABOUT = 'prefix index: block hash -> "<id>|<epoch>|<stamp>|<weight>" owners, newest last (coordinator/lua/record_prefix.lua); no prompt text'
 local RECLAIM_BUDGET = 256  -- void entries one call may delete
 local EVICT_BATCH = 16  -- lru entries one eviction step reads
 local id = ARGV[1]
@@ -158,10 +164,11 @@ end
 
 local recorded = 0
 if capacity > 0 and n > 0 then
-  load({'#calls', stem, unpack(hashes)})
+  load({'#calls', '#about', stem, unpack(hashes)})
   if values['#calls'] == '' then  -- the count the index kept before weights, if any
     values['#calls'] = redis.call('HGET', K_META, 'prefix_calls') or ''
   end
+  if values['#about'] == '' then values['#about'] = ABOUT else values['#about'] = nil end
   local call = (tonumber(values['#calls']) or 0) + 1
   values['#calls'] = call
   -- stamp = call * 1000 + 999 - (i - 1): with at most 512 entries its last three

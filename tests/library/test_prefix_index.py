@@ -114,7 +114,7 @@ async def test_epoch_bump_voids_at_once_and_storage_is_reclaimed(
     assert len(members) == 1 and members[0].startswith("i0#0000000002|")
     assert len(await owners(c)) == 1
     counts = await c.redis.hgetall(c.keys.prefix_owners())
-    assert {k: v for k, v in counts.items() if "#" in k and k != "#calls"} == {"i0#0000000002": "1"}
+    assert {k: v for k, v in counts.items() if "#" in k and k not in ("#calls", "#about")} == {"i0#0000000002": "1"}
 
 
 async def test_an_unregistered_instance_is_reclaimed_by_later_records(
@@ -421,3 +421,17 @@ async def test_reclaiming_entries_written_before_weights_unlinks_only_them(
     assert not any(m.startswith("i1#0000000000|") for m in await lru_members(c))
     assert (await owners(c))[h].split("|")[0] == "i10"
     assert await c.prefix.cached_tokens([h]) == {"i10": TOKENS}
+
+
+@pytest.mark.parametrize("backend", ["real"])  # encodings are the real server's own
+async def test_the_owners_hash_is_a_hashtable_from_its_first_record(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    # As a listpack, a lookup's HMGET would scan the whole hash once per block.
+    c = await setup(make_coordinator)
+    await c.prefix.record("i0", hashes(c, "a"))
+    assert await c.redis.object("encoding", c.keys.prefix_owners()) == "hashtable"
+    about = await c.redis.hget(c.keys.prefix_owners(), "#about")
+    assert len(about) > 64  # longer than hash-max-listpack-value's default
+    await c.prefix.record("i1", hashes(c, "b"))
+    assert await c.redis.hget(c.keys.prefix_owners(), "#about") == about
