@@ -32,7 +32,7 @@
 --   in prompt order, at most 512 pairs
 -- returns {'ok', recorded, evicted, reclaimed} | {'gone'} (the id is not registered)
 local K_OWNERS, K_LRU = KEYS[17], KEYS[18]
--- The owners hash's "#about" field, written with its first record: a value longer
+-- The owners hash's "#about" field, written with its first record (below): a value longer
 -- than hash-max-listpack-value (64 bytes by default) keeps the hash in Redis's
 -- hashtable encoding. As a listpack (up to hash-max-listpack-entries fields: 128 or
 -- 512 by default), a lookup's HMGET of up to 128 fields would scan the whole hash
@@ -164,11 +164,16 @@ end
 
 local recorded = 0
 if capacity > 0 and n > 0 then
-  load({'#calls', '#about', stem, unpack(hashes)})
-  if values['#calls'] == '' then  -- the count the index kept before weights, if any
+  load({'#calls', stem, unpack(hashes)})
+  local fresh = values['#calls'] == ''
+  if fresh then  -- the count the index kept before weights, if any
     values['#calls'] = redis.call('HGET', K_META, 'prefix_calls') or ''
   end
-  if values['#about'] == '' then values['#about'] = ABOUT else values['#about'] = nil end
+  -- "#about" with the hash's first record; sampled calls check for it too, so that
+  -- an index written before it existed gets it within a few calls.
+  if fresh or (ARGV[4] == '1' and redis.call('HEXISTS', K_OWNERS, '#about') == 0) then
+    values['#about'] = ABOUT
+  end
   local call = (tonumber(values['#calls']) or 0) + 1
   values['#calls'] = call
   -- stamp = call * 1000 + 999 - (i - 1): with at most 512 entries its last three

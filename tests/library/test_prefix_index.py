@@ -435,3 +435,14 @@ async def test_the_owners_hash_is_a_hashtable_from_its_first_record(
     assert len(about) > 64  # longer than hash-max-listpack-value's default
     await c.prefix.record("i1", hashes(c, "b"))
     assert await c.redis.hget(c.keys.prefix_owners(), "#about") == about
+
+
+async def test_an_index_without_its_about_field_gets_it_on_a_sampled_record(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    c = await setup(make_coordinator)
+    await c.prefix.record("i0", hashes(c, "a"))
+    await c.redis.hdel(c.keys.prefix_owners(), "#about")  # as an older version left it
+    for _ in range(SAMPLE_EVERY):
+        await c.prefix.record("i0", hashes(c, "b"))
+    assert len(await c.redis.hget(c.keys.prefix_owners(), "#about")) > 64
