@@ -114,7 +114,9 @@ async def test_epoch_bump_voids_at_once_and_storage_is_reclaimed(
     assert len(members) == 1 and members[0].startswith("i0#0000000002|")
     assert len(await owners(c)) == 1
     counts = await c.redis.hgetall(c.keys.prefix_owners())
-    assert {k: v for k, v in counts.items() if "#" in k and k not in ("#calls", "#about")} == {"i0#0000000002": "1"}
+    assert {k: v for k, v in counts.items() if "#" in k and k not in ("#calls", "#about")} == {
+        "i0#0000000002": "1"
+    }
 
 
 async def test_an_unregistered_instance_is_reclaimed_by_later_records(
