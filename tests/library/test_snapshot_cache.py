@@ -61,8 +61,17 @@ async def notice_pool_lost(c: Coordinator) -> None:
 
 
 async def two_nodes(make_coordinator: MakeCoordinator) -> tuple[Coordinator, Coordinator]:
-    """Node a reads the pool; node b registers POOL_SIZE instances first."""
-    a = await make_coordinator("node-a")
+    """Node a reads the pool; node b registers POOL_SIZE instances first.
+
+    a's view never ages into a re-read by itself (a slow run would otherwise refresh
+    it before a decision, and the replies these tests count would differ): it is read
+    when a test says so, or when a reply tells a it is behind."""
+    a = await make_coordinator(
+        "node-a",
+        snapshot_max_age_ms=600_000,
+        live_refresh_ms=600_000,
+        instance_ttl_ms=2_400_000,
+    )
     b = await make_coordinator("node-b")
     for i in range(POOL_SIZE):
         await b.register_instance(spec(i))
