@@ -29,9 +29,16 @@ from tests.library.test_snapshot_cache import assert_view_is_current, count_call
 
 pytestmark = pytest.mark.timeout(60)
 
-# Long enough that nothing goes by itself while a test looks; tests that want the
-# timed flush set a short one.
-HOLD = {"carry_ms": 1000, "recovery_interval_ms": 20}
+# Long enough that nothing goes by itself while a test looks (neither a held
+# transition nor a re-read of an aged view: the tests count calls); tests that want
+# the timed flush set a short one.
+HOLD = {
+    "carry_ms": 1000,
+    "recovery_interval_ms": 20,
+    "snapshot_max_age_ms": 600_000,
+    "live_refresh_ms": 600_000,
+    "instance_ttl_ms": 2_400_000,
+}
 
 
 async def inflight(c: Coordinator, instance_id: str) -> int:
