@@ -52,7 +52,7 @@ from coordinator.models import (
     Reservation,
 )
 from coordinator.outliers import Outcome, OutlierPolicy, OutlierView, parse_outliers
-from coordinator.packed import as_text
+from coordinator.packed import as_text, pack_slots
 from coordinator.prefix import guarded_cached_tokens
 from coordinator.prefix_index import PrefixIndex
 from coordinator.pressure import instance_load
@@ -641,6 +641,7 @@ class Coordinator:
                 candidates, ties = ranking.for_reserve(s.top_k)
             if not candidates:
                 raise NoInstanceError("no alive instance in pool " + self.pool)
+            candidates, tie_arg = self._slot_ordered(candidates, ties)
             # With one candidate there is nothing to spread over: no point retrying.
             force = attempt == s.reserve_retries or len(candidates) == 1
             args: list[Any] = [
@@ -654,7 +655,7 @@ class Coordinator:
                 0 if self._leased else s.lease_ms,
                 self._cache.view_token,
                 len(candidates),
-                ties,
+                tie_arg,
             ]
             rows = [self._cache.rows[iid] for iid in candidates]
             cached = bool(request.cached_tokens)
@@ -725,6 +726,25 @@ class Coordinator:
                     raise PoolFullError(int(reply[1]))
             self.stats.reserve_retries += 1
         raise NoInstanceError("no alive instance accepted the reservation")
+
+    def _slot_ordered(self, candidates: list[str], ties: int) -> tuple[list[str], int | str]:
+        """The candidates with the tied ones in their slots' order, and reserve's tie
+        argument: '<ties>:<their slots>', so the script orders its walk round the pool
+        without reading their slots (lua/reserve.lua ARGV[11]); the bare count when a
+        slot is not known here."""
+        if ties < 2:
+            return candidates, ties
+        entries = self._cache.entries
+
+        def slot(iid: str) -> int:
+            entry = entries.get(iid)
+            return entry.slot if entry else -1
+
+        tied = sorted(candidates[:ties], key=slot)
+        packed = pack_slots([slot(iid) for iid in tied])
+        if packed is None:
+            return candidates, ties
+        return tied + candidates[ties:], f"{ties}:{packed}"
 
     def _guard_hot_spots(self, request: RequestShape) -> RequestShape:
         """The request as ranking sees it: cache credit faded on instances much busier

@@ -76,6 +76,18 @@ def _digits(value: int, width: int) -> bytes:
     return bytes((value >> (7 * (width - 1 - k))) & 0x7F for k in range(width))
 
 
+SLOT_DIGITS = 3  # a slot in reserve's tie argument (lua/reserve.lua ARGV[11])
+
+
+def pack_slots(slots: list[int]) -> str | None:
+    """Slots as SLOT_DIGITS base-128 digits each, as text (characters 0..127 are one
+    byte each in UTF-8, so the client sends them as they are); None when one does not
+    fit (a slot that is not known, -1, or beyond 128**SLOT_DIGITS)."""
+    if not slots or min(slots) < 0 or max(slots) >= 128**SLOT_DIGITS:
+        return None
+    return "".join(_digits(slot, SLOT_DIGITS).decode("ascii") for slot in slots)
+
+
 def pack_live(record: LiveRecord) -> bytes:
     """One `live` record, as heartbeat.lua writes it (for tools that edit liveness)."""
     values = [record.last_seen_ms]

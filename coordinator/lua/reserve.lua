@@ -21,6 +21,10 @@
 --   last reservation with ties took (meta tie_last), wrapping round, then the rest as
 --   ranked: the fleet's nodes take tied instances in one turn round the pool, not each
 --   by a rotation of its own that the others' collide with. 0 or 1: no ties.
+--   Or '<ties>:<slots>': the tied candidates' slots as the caller's view has them, 3
+--   base-128 digits each (coordinator/packed.py), in ascending order (else they are
+--   sorted here): the walk is ordered without reading them (a stale one changes only
+--   whose turn it is; what a candidate's state is read at is always Redis's slot).
 -- ARGV[12 ..] = n groups of
 --   {instance id, prefill_ms (ms, <= 86400000), decode_ms (ms, <= 86400000),
 --    max inflight, max pending_prefill, max prefill_free_at}: the most live
@@ -76,8 +80,16 @@ local n = int_arg(ARGV[10], 64)
 if n == nil or n < 1 or #ARGV < 11 + 6 * n then
   return fail('bad_arg', 'candidates: expected n >= 1 groups of 6')
 end
-local ties = int_arg(ARGV[11], n)
-if ties == nil then return fail('bad_arg', 'ties must be an integer in 0..n') end
+local ties_arg, tie_slots = ARGV[11], nil
+local colon = string.find(ties_arg, ':', 1, true)
+if colon then
+  tie_slots = string.sub(ties_arg, colon + 1)
+  ties_arg = string.sub(ties_arg, 1, colon - 1)
+end
+local ties = int_arg(ties_arg, n)
+if ties == nil or (tie_slots and #tie_slots ~= 3 * ties) then
+  return fail('bad_arg', 'ties must be an integer in 0..n, with 3 bytes of slot per tie')
+end
 local G = 11  -- candidate i's group is ARGV[G + 6(i - 1) + 1 .. G + 6i]
 -- Candidate i's group, or nil when one of its numbers is not valid. The id needs no
 -- pattern check: one that is not registered is never alive, so never chosen or written.
@@ -96,22 +108,33 @@ local function candidate(i)
 end
 
 -- The order the walk visits the candidates in: the tied ones by slot from the first
--- after tie_last (wrapping round), then the rest as ranked. With a tie, every
--- candidate's slot is read here, once (false: not registered).
+-- after tie_last (wrapping round), then the rest as ranked. With a tie and no slots
+-- from the caller, every candidate's slot is read here, once (false: not registered).
 local order, slots = {}, nil
 if ties >= 2 then
-  local ids, tied = {}, {}
-  for i = 1, n do ids[i] = ARGV[G + 6 * (i - 1) + 1] end
+  local tied, slot_of = {}, {}
   for i = 1, ties do tied[i] = i end
-  slots = redis.call('HMGET', K_SLOT, unpack(ids))
-  -- Each slot as a number once: a string's tonumber costs more than the whole sort.
-  local slot_of = {}
-  for i = 1, ties do slot_of[i] = tonumber(slots[i]) or -1 end
-  table.sort(tied, function(a, b)
-    local sa, sb = slot_of[a], slot_of[b]
-    if sa ~= sb then return sa < sb end
-    return a < b
-  end)
+  if tie_slots then
+    local d = {string.byte(tie_slots, 1, 3 * ties)}
+    for i = 1, ties do slot_of[i] = (d[3 * i - 2] * 128 + d[3 * i - 1]) * 128 + d[3 * i] end
+  else
+    local ids = {}
+    for i = 1, n do ids[i] = ARGV[G + 6 * (i - 1) + 1] end
+    slots = redis.call('HMGET', K_SLOT, unpack(ids))
+    -- Each slot as a number once: a string's tonumber costs more than the whole sort.
+    for i = 1, ties do slot_of[i] = tonumber(slots[i]) or -1 end
+  end
+  local ascending = true
+  for i = 2, ties do
+    if slot_of[i] < slot_of[i - 1] then ascending = false break end
+  end
+  if not ascending then
+    table.sort(tied, function(a, b)
+      local sa, sb = slot_of[a], slot_of[b]
+      if sa ~= sb then return sa < sb end
+      return a < b
+    end)
+  end
   local last, start = pool_counts().tie_last, 1
   for k = 1, ties do
     if slot_of[tied[k]] > last then start = k break end

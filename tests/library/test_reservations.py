@@ -15,6 +15,7 @@ from coordinator import (
     ScriptArgumentError,
     UnknownInstanceError,
 )
+from coordinator.packed import pack_slots
 from coordinator.settings import Weights
 from tests.conftest import MakeCoordinator
 from tests.helpers import assert_counters_match_reservations, counters, live_reservations, spec
@@ -412,22 +413,26 @@ async def test_candidates_past_their_free_at_bound_yield_the_soonest_start(
     await assert_counters_match_reservations(c)
 
 
+@pytest.mark.parametrize("slots_sent", [False, True])
 async def test_tied_candidates_are_taken_in_the_pools_turn(
-    make_coordinator: MakeCoordinator,
+    make_coordinator: MakeCoordinator, slots_sent: bool
 ) -> None:
     """Two nodes sending a tied group take its instances in one turn round the pool
     (by slot, after meta tie_last), not each from its first: no two of four reserves
-    share an instance, whatever order each node sends. A refused call leaves the
-    turn where it was."""
+    share an instance, whatever order each node sends, and whether the script reads
+    the slots or the node sends them (ARGV[11] '<ties>:<slots>'). A refused call
+    leaves the turn where it was."""
     nodes = [await make_coordinator(f"n{k}") for k in range(2)]
     for i in range(4):
         await nodes[0].register_instance(spec(i))
     tied = [(f"i{i}", 99, 99) for i in range(4)]
+    # Each node sends the tie in an order of its own: here last slot first.
+    tie_arg: int | str = f"4:{pack_slots([3, 2, 1, 0])}" if slots_sent else 4
     taken = []
     for k in range(4):
         node = nodes[k % 2]
-        # Each node sends the tie in an order of its own: here last slot first.
-        args = _reserve_args(node.node_id, f"t{k}", tied[::-1], ties=4)
+        args = _reserve_args(node.node_id, f"t{k}", tied[::-1])
+        args[10] = tie_arg
         reply = await node._direct_call("reserve", args, (node.keys.node_rids(node.node_id),))
         assert reply[0] == "ok"
         taken.append(reply[1])
@@ -451,4 +456,33 @@ async def test_tied_candidates_are_taken_in_the_pools_turn(
     assert await one.redis.hget(meta, "tie_last") in (b"3", "3")
     with pytest.raises(ScriptArgumentError):
         await one._direct_call("reserve", _reserve_args("n0", "t7", tied, ties=5), (rids,))
+    bad = _reserve_args("n0", "t8", tied)
+    bad[10] = f"4:{pack_slots([0, 1, 2])}"  # three slots for four ties
+    with pytest.raises(ScriptArgumentError):
+        await one._direct_call("reserve", bad, (rids,))
     await assert_counters_match_reservations(one)
+
+
+async def test_sent_tie_slots_order_the_walk_and_the_turn_takes_redis_slot(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """The slots a node sends order its tie (a stale view changes only whose turn it
+    is); the turn then moves to the slot Redis holds for the instance taken."""
+    c = await make_coordinator("n0")
+    for i in range(3):
+        await c.register_instance(spec(i))  # slots 0, 1, 2
+    args = _reserve_args("n0", "t0", [(f"i{i}", 99, 99) for i in range(3)])
+    args[10] = f"3:{pack_slots([2, 1, 0])}"  # as a stale view would have them
+    reply = await c._direct_call("reserve", args, (c.keys.node_rids("n0"),))
+    assert reply[:2] == ["ok", "i2"]  # the lowest slot sent, after no turn yet
+    assert await c.redis.hget(c.keys.column("meta"), "tie_last") in (b"2", "2")
+    await assert_counters_match_reservations(c)
+
+
+def test_tie_slots_pack_as_three_base_128_digits_or_not_at_all() -> None:
+    assert pack_slots([0, 1, 128, 128**3 - 1]) == (
+        "\x00\x00\x00" + "\x00\x00\x01" + "\x00\x01\x00" + "\x7f\x7f\x7f"
+    )
+    assert pack_slots([4, -1]) is None  # a slot the view does not know
+    assert pack_slots([128**3]) is None
+    assert pack_slots([]) is None
