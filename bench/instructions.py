@@ -19,6 +19,10 @@ Workloads (`--instances` each):
 - request: one node's proxied requests, as bench/scaling.py section 1 makes them:
   `reserve`, its first-token mark and (8 requests later) its release, which ride on
   the node's next `reserve`;
+- request, 64 nodes: the same cycles from 64 nodes at once (one process, each node
+  its own connection, view and lease, as bench/scaling.py section 1 runs them): its
+  ratio to `request` is the busy shard's flatness in nodes (issue 12), in
+  instructions, where the replayed µs of bench/scaling.py move from run to run;
 - index follow-up / index new prompt: the prefix index's lookup (one HMGET) and
   `record_prefix` with every instance's index full at 100,000 tokens of 30-block
   conversations, for a follow-up turn (+2 blocks on a held conversation, sent to its
@@ -48,7 +52,8 @@ from typing import Any
 # record with another tree's code, which must come first on its path.
 ROOT = Path(__file__).resolve().parent.parent
 
-WORKLOADS = ("request", "index follow-up", "index new prompt")
+FLEET = 64  # nodes of the "request, 64 nodes" workload
+WORKLOADS = ("request", f"request, {FLEET} nodes", "index follow-up", "index new prompt")
 WARMUP = 20  # request cycles before the recording starts (a steady state of live ones)
 LIVE = 8  # live reservations per node, as bench/scaling.py keeps them
 INDEX_TOKENS = 100_000  # each instance's prefix index, filled before recording
@@ -60,12 +65,12 @@ LUA_GC_PERIOD = 50  # Redis steps Lua's collector once every this many scripts
 # Runs in a child whose code is one tree (argv[1]); the workloads are this file's.
 RUNNER = """
 import asyncio, importlib.util, sys
-tree, here, url, instances, requests, out = sys.argv[1:7]
+tree, here, url, instances, requests, out, workloads = sys.argv[1:8]
 sys.path.insert(0, tree)
 spec = importlib.util.spec_from_file_location("instructions_workloads", here)
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
-bench.record_all(url, int(instances), int(requests), out)
+bench.record_all(url, int(instances), int(requests), out, workloads.split("|"))
 """
 
 Call = tuple[str, str, list[Any], list[Any]]  # ("evalsha", script, keys, args) | ("hmget", ...)
@@ -127,8 +132,10 @@ def pool_keys(client: Any, pool: str) -> dict[bytes, bytes]:
     return {k: client.dump(k) for k in client.scan_iter(match=pattern, count=1000)}
 
 
-def record_all(url: str, instances: int, requests: int, out: str) -> None:
-    """Record every workload on the server at `url` (this tree's code), pickled to `out`
+def record_all(
+    url: str, instances: int, requests: int, out: str, workloads: Sequence[str] = WORKLOADS
+) -> None:
+    """Record `workloads` on the server at `url` (this tree's code), pickled to `out`
     with the tree's script texts."""
     from coordinator.scripts import SCRIPT_NAMES, with_prelude
 
@@ -136,7 +143,7 @@ def record_all(url: str, instances: int, requests: int, out: str) -> None:
     lua = Path(sys.modules["coordinator.scripts"].__file__ or "").parent / "lua"
     for name in SCRIPT_NAMES:
         texts[name] = with_prelude((lua / f"{name}.lua").read_text())
-    recorded = {w: asyncio.run(_record(w, url, instances, requests)) for w in WORKLOADS}
+    recorded = {w: asyncio.run(_record(w, url, instances, requests)) for w in workloads}
     Path(out).write_bytes(pickle.dumps({"scripts": texts, "workloads": recorded}))
 
 
@@ -146,7 +153,7 @@ async def _record(workload: str, url: str, instances: int, requests: int) -> dic
     from coordinator import Coordinator, InstanceSpec, Settings
     from coordinator.prefix import block_hashes, salt_key
 
-    pool = f"ins-{instances}-{workload.replace(' ', '-')}"
+    pool = f"ins-{instances}-" + "".join(ch if ch.isalnum() else "-" for ch in workload)
     settings = Settings(
         instance_ttl_ms=600_000,
         lease_ms=600_000,
@@ -157,6 +164,7 @@ async def _record(workload: str, url: str, instances: int, requests: int) -> dic
     c = await Coordinator.connect(url, pool=pool, node_id="n0", settings=settings, background=False)
     log = CallLog()
     log.attach(c)
+    fleet = [c]
     try:
         for i in range(instances):  # as bench/scaling.py registers them
             await c.register_instance(
@@ -172,22 +180,38 @@ async def _record(workload: str, url: str, instances: int, requests: int) -> dic
                 )
             )
         await c.refresh()
-        if workload == "request":
-            live: list[str] = []
+        if workload.startswith("request"):
+            nodes = FLEET if workload.endswith("nodes") else 1
+            for k in range(1, nodes):
+                fleet.append(
+                    await Coordinator.connect(
+                        url, pool=pool, node_id=f"n{k}", settings=settings, background=False
+                    )
+                )
+                log.attach(fleet[-1])
+                await fleet[-1].refresh()
+            lives: list[list[str]] = [[] for _ in fleet]
 
-            async def cycles(n: int) -> None:
+            async def cycles(node: Any, live: list[str], n: int) -> None:
                 for _ in range(n):
-                    res = await c.reserve(512, 128)
-                    c.first_token_soon(res.rid)
+                    res = await node.reserve(512, 128)
+                    node.first_token_soon(res.rid)
                     live.append(res.rid)
                     if len(live) > LIVE:
-                        c.release_soon(live.pop(0))
+                        node.release_soon(live.pop(0))
 
-            await cycles(WARMUP)
+            await asyncio.gather(
+                *(cycles(n, live, WARMUP) for n, live in zip(fleet, lives, strict=True))
+            )
             start = pool_keys(sync, pool)
             log.on = True
-            await cycles(requests)
+            # At least 40 cycles a node: views age and fall behind as in a longer run.
+            each = max(1, requests // nodes, 40 if nodes > 1 else 1)
+            await asyncio.gather(
+                *(cycles(n, live, each) for n, live in zip(fleet, lives, strict=True))
+            )
             log.on = False
+            requests = each * nodes
         else:
             prefix = c.prefix
             key = salt_key(pool, settings.prefix_salt)
@@ -218,7 +242,8 @@ async def _record(workload: str, url: str, instances: int, requests: int) -> dic
                 await prefix.record(iid, hashes, found.get(iid, 0))
             log.on = False
     finally:
-        await c.close()
+        for node in fleet:
+            await node.close()
         keys = list(sync.scan_iter(match=c.keys.pattern(), count=1000))
         if keys:
             sync.delete(*keys)
@@ -333,12 +358,14 @@ def replay(
     }
 
 
-def record_tree(tree: str, url: str, instances: int, requests: int) -> dict[str, Any]:
+def record_tree(
+    tree: str, url: str, instances: int, requests: int, workloads: Sequence[str]
+) -> dict[str, Any]:
     """Run RUNNER for one tree; its recordings and script texts."""
     with tempfile.NamedTemporaryFile(suffix=".pickle") as out:
         child = subprocess.run(
             [sys.executable, "-c", RUNNER, tree, str(Path(__file__).resolve()), url,
-             str(instances), str(requests), out.name],
+             str(instances), str(requests), out.name, "|".join(workloads)],
             capture_output=True, text=True, cwd=tree,
         )  # fmt: skip
         if child.returncode:
@@ -358,6 +385,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--against", default=None, help="git ref to compare with (default: none)")
     parser.add_argument("--instances", type=int, nargs="+", default=[64, 1024])
     parser.add_argument("--requests", type=int, default=300, help="recorded per workload")
+    parser.add_argument(
+        "--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS), metavar="W",
+        help=f"the workloads to record (default: all of {', '.join(WORKLOADS)})",
+    )  # fmt: skip
     add_write_docs(parser)
     args = parser.parse_args(argv)
     if min(args.instances) < 1 or args.requests < 1:
@@ -375,10 +406,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for n in args.instances:
                 for label, tree in trees.items():
                     print(f"{n} instances, {label}: recording", file=sys.stderr, flush=True)
-                    data = record_tree(tree, recorder.url, n, args.requests)
+                    data = record_tree(tree, recorder.url, n, args.requests, args.workloads)
                     if not rows:  # a new server's first replay counts about 1% more
-                        replay(server, data["scripts"], data["workloads"][WORKLOADS[0]])
-                    for workload in WORKLOADS:
+                        replay(server, data["scripts"], data["workloads"][args.workloads[0]])
+                    for workload in args.workloads:
                         result = replay(server, data["scripts"], data["workloads"][workload])
                         rows.append((workload, n, label, result))
                         print(f"  {workload}: {result['per_request']:,.0f} instructions/request",

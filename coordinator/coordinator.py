@@ -14,6 +14,7 @@ from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 from redis.exceptions import (
     BusyLoadingError,
     ClusterDownError,
@@ -176,11 +177,12 @@ class Coordinator:
         self._node_rids = self.keys.node_rids(node_id).encode()
         self._cache = self._new_cache()
         self.observations = Observations()  # timing samples not yet merged into Redis
-        self._live_nodes = 1  # nodes with a lease, as the last merge counted them
+        self._live_nodes = 1  # nodes with a lease, as the last merge or read counted them
         # Nodes start their rotation at different places (stable per node id), so
         # simultaneous first picks of an idle pool rarely collide.
         self._rr = RoundRobin(zlib.crc32(node_id.encode()))
         self._rng = random.Random(seed)
+        self._np_rng = np.random.default_rng(seed)  # stale_sample's draws
         self._local: dict[str, LocalReservation] = {}
         self._pending_releases: set[str] = set()
         # first_token_soon/release_soon held for the next reserve: (op, rid, held),
@@ -425,13 +427,25 @@ class Coordinator:
         for _ in range(2):
             due = self._live_due() if live is None else live
             issued = self._cache.state_ver
-            if not self._apply(await self._call("read_state", [int(due)]), issued):
+            reply = await self._call("read_state", [int(due)])
+            if not self._apply(reply[:6], issued):
                 raise CoordinationUnavailableError("redis lost the pool: re-asserting")
+            self._live_nodes = max(1, int(reply[6]))
             if self._cache.specs_behind:
                 await self._read_specs(self._call)
             # Liveness comes again when the view started over or gained instances.
             if due or not self._live_due():
                 return
+
+    def snapshot_max_age_ms(self) -> float:
+        """How old the view may grow before a decision re-reads the whole state:
+        snapshot_max_age_ms while the pool has at most snapshot_nodes live nodes,
+        proportionally longer beyond, so the fleet's whole reads per second stay about
+        what snapshot_nodes nodes make (each of 64 nodes decides for 1/64 of the
+        traffic: its view falls behind whatever its age, and a stale answer still
+        brings the whole state when the view misled it)."""
+        s = self.settings
+        return s.snapshot_max_age_ms * max(1.0, self._live_nodes / s.snapshot_nodes)
 
     def _live_due(self) -> bool:
         # Never older than a quarter of the instance TTL: liveness is judged from it.
@@ -443,7 +457,7 @@ class Coordinator:
         s = self.settings
         if (
             s.snapshot_max_age_ms == 0
-            or self._cache.age_ms() > s.snapshot_max_age_ms
+            or self._cache.age_ms() > self.snapshot_max_age_ms()
             or self._live_due()
         ):
             await self.refresh()
@@ -806,6 +820,8 @@ class Coordinator:
             k=s.top_k,
             room_only=room_only,
             request=request,
+            sample=s.stale_sample if self._cache.missed_changes >= len(self._cache.rows) else 0,
+            rng=self._np_rng,
         )
 
     def _full_ids(self) -> frozenset[str]:
@@ -1183,7 +1199,7 @@ class Coordinator:
         # using the old rows until then (the reads in between may take many steps).
         fresh = self._new_cache()
         fresh.apply_learned(self._cache.learned)
-        fresh.apply_view(*(await direct("read_state", [1])))
+        fresh.apply_view(*(await direct("read_state", [1]))[:6])
         if fresh.specs_behind:
             await self._read_specs(direct, fresh)
         self._cache.take(fresh)

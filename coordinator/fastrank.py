@@ -181,12 +181,15 @@ class ColumnarPool:
         k: int,
         room_only: bool = False,
         request: RequestShape | None = None,
+        sample: int = 0,
+        rng: np.random.Generator | None = None,
     ) -> Ranking:
         """The reference least_load's first k candidates, their scores and its tie.
 
         `room_only` leaves out instances at max_slots, as if they were not eligible.
         With a `request`, the ttft_ms and prefill_ms components are scored as in the
-        reference.
+        reference. With `sample` (and `rng`), at most that many eligible instances,
+        drawn at random, are ranked: the reference's ranking of that subset.
         """
         self.sync(cache)
         c = self._cols
@@ -211,6 +214,11 @@ class ColumnarPool:
             if count < n:
                 eligible = np.flatnonzero(mask)
                 sel = eligible
+        if sample and count > sample and rng is not None:
+            # Positions stay in id order: a stable sort by total is the (total, id) order.
+            drawn = rng.choice(count, sample, replace=False)
+            eligible = np.sort(drawn if eligible is None else eligible[drawn])
+            sel, count = eligible, sample
         backlog = np.maximum(0.0, c["due"][sel] - now)  # NaN where unknown
         complete = {"inflight": True}
         values: dict[str, Floats] = {"inflight": c["inflight"][sel]}

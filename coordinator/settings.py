@@ -109,6 +109,15 @@ class Settings:
     # reserve re-checks the candidates' load, so an old view can cost a retry but
     # never herding.
     snapshot_max_age_ms: int = 500  # 0 = read the pool state before every decision
+    # Beyond this many live nodes each node re-reads the whole state proportionally less
+    # often (by age; a stale answer still brings it at once), so the pool serves about
+    # as many whole reads per second with 64 nodes as with this many.
+    snapshot_nodes: int = 8
+    # A view that missed at least one change per instance no longer tells which are
+    # least busy, and every node's stale view points at the same ones: least_load then
+    # ranks a random sample of this many eligible instances (power of d choices), so
+    # concurrent nodes' candidates differ. 0 = always rank every instance.
+    stale_sample: int = 16
     live_refresh_ms: int = 2_000  # liveness and hints are re-read this often (<= ttl/4)
     # first_token_soon/release_soon (the proxy's) ride on the node's next reserve, or
     # go in one call after this long: one Redis call per request instead of three.
@@ -149,6 +158,7 @@ class Settings:
             "timing_flush_nodes",
             "timing_min_samples",
             "timing_half_life_ms",
+            "snapshot_nodes",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -165,6 +175,10 @@ class Settings:
             )
         if not 1 <= self.top_k <= 64:
             raise InvalidArgumentError(f"top_k must be in 1..64, got {self.top_k}")
+        if self.stale_sample != 0 and not self.top_k <= self.stale_sample <= 100_000:
+            raise InvalidArgumentError(
+                f"stale_sample must be 0 or in top_k..100000, got {self.stale_sample}"
+            )
         if not 0 <= self.reserve_retries <= 16:
             raise InvalidArgumentError(
                 f"reserve_retries must be in 0..16, got {self.reserve_retries}"

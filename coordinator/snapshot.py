@@ -81,6 +81,7 @@ class PoolCache:
     slot_ids: dict[int, str] = field(default_factory=dict)
     state: bytes = b""
     state_ver: int = -1  # every record of `state` is at least this new (-1: none read)
+    seen_state_ver: int = -1  # the newest state_ver a reply reported
     ahead: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # slot: newer record
     live: bytes = b""
     # Decoded `live` records by slot: a patch of `state` rebuilds a row without
@@ -106,6 +107,12 @@ class PoolCache:
         return f"{self.run_id}:{self.state_ver}" if self.state_ver >= 0 else ""
 
     @property
+    def missed_changes(self) -> int:
+        """Changes of `state` replies reported that this view has not applied in order:
+        how far behind the view is (its records ahead count as missed too)."""
+        return max(0, self.seen_state_ver - self.state_ver) if self.state_ver >= 0 else 0
+
+    @property
     def specs_behind(self) -> bool:
         """Whether a reply reported spec changes this cache has not read yet."""
         return self.spec_gen != self.seen_spec_gen
@@ -118,7 +125,7 @@ class PoolCache:
         self._resolved.clear()
         self.state = self.live = b""
         self.live_records.clear()
-        self.state_ver = -1
+        self.state_ver = self.seen_state_ver = -1
         self.ahead.clear()
         self.live_mono = -1e18  # liveness must be read again
         self.membership += 1
@@ -181,9 +188,10 @@ class PoolCache:
             # restart). Its history is the pool's now; refusing it would keep this
             # view wrong until as many changes happened again.
             self.ahead.clear()
-            self.state_ver = -1
+            self.state_ver = self.seen_state_ver = -1
         if version < self.state_ver:
             return []  # a late reply: the view has moved past it
+        self.seen_state_ver = max(self.seen_state_ver, version)
         for slot, (newer, record) in list(self.ahead.items()):
             if newer > version:
                 state = _spliced(state, slot, record)
@@ -198,6 +206,7 @@ class PoolCache:
     def apply_patch(self, state_ver: Any, slot: Any, record: Any) -> None:
         """Apply one script's rewritten record of `state` (see the class docstring)."""
         version, slot, new = int(state_ver), int(slot), as_bytes(record)
+        self.seen_state_ver = max(self.seen_state_ver, version)
         if (
             self.state_ver < 0
             or version <= self.state_ver

@@ -193,6 +193,26 @@ end
 -- write) works on the same copy.
 local slot_states = {}
 
+-- Records of slots lo..hi read by one GETRANGE ahead of their use (prefetch_states),
+-- or nil; dropped once anything writes `state`.
+local state_span = nil
+
+-- Read the records of these slots (numbers; -1 or nil: none) in one GETRANGE when
+-- they lie within `max_bytes` of each other: a reserve walking past its first
+-- candidate then reads each of the others without a command of its own.
+local function prefetch_states(slots, max_bytes)
+  local lo, hi = nil, nil
+  for _, s in pairs(slots) do
+    if s and s >= 0 then
+      if lo == nil or s < lo then lo = s end
+      if hi == nil or s > hi then hi = s end
+    end
+  end
+  if lo == nil or lo == hi or (hi - lo + 1) * STATE_BYTES > max_bytes then return end
+  state_span = {lo = lo, hi = hi,
+    raw = redis.call('GETRANGE', K_STATE, lo * STATE_BYTES, (hi + 1) * STATE_BYTES - 1)}
+end
+
 -- Instance `id`'s packed state record, decoded: {slot, pending, decode, free_at,
 -- earliest, pending_ms, base}, `base` the inflight last written; nil when `id` has no
 -- slot (`slot`: its value in the slot hash, false when it has none). Change the
@@ -202,8 +222,14 @@ local function slot_state_at(id, slot)
   if st then return st end
   if not slot then return nil end
   slot = tonumber(slot)
-  local at = slot * STATE_BYTES
-  local raw = redis.call('GETRANGE', K_STATE, at, at + STATE_BYTES - 1)
+  local raw
+  if state_span and slot >= state_span.lo and slot <= state_span.hi then
+    local at = (slot - state_span.lo) * STATE_BYTES
+    raw = string.sub(state_span.raw, at + 1, at + STATE_BYTES)
+  else
+    local at = slot * STATE_BYTES
+    raw = redis.call('GETRANGE', K_STATE, at, at + STATE_BYTES - 1)
+  end
   if #raw < STATE_BYTES then
     st = {slot = slot, pending = 0, decode = 0, free_at = 0, earliest = 0, pending_ms = 0,
       base = 0}
@@ -269,6 +295,7 @@ local function write_state(st)
   local record = be3(st.pending) .. be3(st.decode) .. be6(st.free_at) .. be6(st.earliest)
     .. be6(st.pending_ms)
   redis.call('SETRANGE', K_STATE, st.slot * STATE_BYTES, record)
+  state_span = nil
   local p = pool_counts()
   local inflight = st.pending + st.decode
   p.ver, p.total, p.dirty = p.ver + 1, p.total + inflight - st.base, true

@@ -148,6 +148,7 @@ for i = #order + 1, n do order[i] = i end
 -- passes it over, all the others' by one HMGET each. Slots read above are not read
 -- again.
 local looked, looked_at = nil, {}
+local PREFETCH_BYTES = 4096  -- the whole state of a pool of up to 170 instances
 local function looked_up(i)
   local id = ARGV[G + 6 * (i - 1) + 1]
   if i == order[1] then
@@ -165,6 +166,15 @@ local function looked_up(i)
     looked = {redis.call('HMGET', K_LAST_SEEN, unpack(ids)),
       not slots and redis.call('HMGET', K_SLOT, unpack(ids)),
       enforce and redis.call('HMGET', K_MAX_SLOTS, unpack(ids)) or {}}
+    -- A walk past the first candidate often visits most of the others (a view many
+    -- changes behind): their records in one read when they lie close together.
+    local near = {}
+    for k = 2, n do
+      local slot
+      if slots then slot = slots[order[k]] else slot = looked[2][k - 1] end
+      near[k - 1] = tonumber(slot)
+    end
+    prefetch_states(near, PREFETCH_BYTES)
   end
   local at = looked_at[i]
   local slot

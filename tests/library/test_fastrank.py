@@ -106,10 +106,14 @@ def assert_ranks_like_reference(
     weights: Weights,
     request: RequestShape | None,
     room_only: bool,
+    drawn: list[int] | None = None,
 ) -> None:
-    """The fast ranking of the cache's rows equals the reference on the same rows."""
+    """The fast ranking of the cache's rows equals the reference on the same rows; with
+    `drawn` (positions among the eligible rows), on those of them a sample of
+    len(drawn) takes when there are more eligible rows."""
     pool_rows = list(cache.rows.values())
     fast_rr, ref_rr = RoundRobin(rr_start), RoundRobin(rr_start)
+    sample = len(drawn) if drawn else 0
     ranking = columns.rank_least_load(
         cache,
         NOW,
@@ -120,6 +124,8 @@ def assert_ranks_like_reference(
         k=k,
         room_only=room_only,
         request=request,
+        sample=sample,
+        rng=Drawn(drawn) if drawn else None,  # type: ignore[arg-type]
     )
     adjusted = [instance_load(r, NOW, instance_ttl_ms=TTL, hint_ttl_ms=HINT_TTL) for r in pool_rows]
     candidates = [
@@ -127,6 +133,8 @@ def assert_ranks_like_reference(
         for r in eligible(adjusted)
         if not room_only or r.max_slots <= 0 or (r.inflight or 0) < r.max_slots
     ]
+    if drawn and len(candidates) > sample:
+        candidates = [candidates[j] for j in sorted(drawn)]
     ref = least_load(candidates, weights, ref_rr, request=request)
     fast, fast_scores = ranking.ranked, ranking.scores
     assert [r.id for r in fast] == [r.id for r in ref.ranked[:k]]
@@ -164,6 +172,56 @@ def test_fast_ranking_equals_reference(
     if partition:  # the large-pool path: a partition, then a sort of the few first
         columns.sort_all_below = 0
     assert_ranks_like_reference(columns, cache, rr_start, k, weights, request, room_only)
+
+
+class Drawn:
+    """A stand-in for numpy's Generator whose choice() draws these positions."""
+
+    def __init__(self, positions: list[int]) -> None:
+        self.positions = positions
+
+    def choice(self, count: int, size: int, replace: bool) -> np.ndarray:
+        assert size == len(self.positions) < count and not replace
+        return np.array(self.positions)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows(),
+    st.integers(0, 20),
+    st.integers(1, 6),
+    WEIGHTS,
+    REQUESTS,
+    st.booleans(),
+    st.permutations(range(12)),
+    st.integers(1, 11),
+)
+def test_sampled_ranking_equals_reference_on_the_drawn_rows(
+    pool_rows: list[InstanceRow],
+    rr_start: int,
+    k: int,
+    weights: Weights,
+    request: RequestShape | None,
+    room_only: bool,
+    order: list[int],
+    size: int,
+) -> None:
+    """A sample (a view far behind: Settings.stale_sample) ranks exactly the drawn
+    eligible rows, as the reference ranks them; with no more eligible rows than the
+    sample, all of them."""
+    cache = PoolCache()
+    cache.rows = {r.id: r for r in pool_rows}
+    cache.membership = 1
+    adjusted = [instance_load(r, NOW, instance_ttl_ms=TTL, hint_ttl_ms=HINT_TTL) for r in pool_rows]
+    count = sum(
+        1
+        for r in eligible(adjusted)
+        if not room_only or r.max_slots <= 0 or (r.inflight or 0) < r.max_slots
+    )
+    drawn = [j for j in order if j < count][: min(size, max(count - 1, 1))]
+    assert_ranks_like_reference(
+        ColumnarPool(), cache, rr_start, k, weights, request, room_only, drawn or None
+    )
 
 
 @st.composite

@@ -486,3 +486,33 @@ def test_tie_slots_pack_as_three_base_128_digits_or_not_at_all() -> None:
     assert pack_slots([4, -1]) is None  # a slot the view does not know
     assert pack_slots([128**3]) is None
     assert pack_slots([]) is None
+
+
+@pytest.mark.parametrize("backend", ["real"])  # counts the real server's own commands
+async def test_a_walk_past_the_first_candidate_reads_the_others_records_at_once(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """A view many changes behind sends candidates that all got busier: reserve reads
+    the first one's record, then the others' in one GETRANGE (their slots lie close
+    together), not one command each, and still takes the least busy of them."""
+    a = await make_coordinator("node-a", snapshot_max_age_ms=600_000, live_refresh_ms=600_000)
+    b = await make_coordinator("node-b")
+    for i in range(12):
+        await b.register_instance(spec(i))
+    await a.refresh(live=True)  # every instance idle, as a will rank them
+    theirs = [await b.reserve(100, 10) for _ in range(12)]  # one on each
+    assert {r.instance_id for r in theirs} == {f"i{i}" for i in range(12)}
+
+    async def getranges() -> int:
+        stats = await a.redis.info("commandstats")
+        return int(stats.get("cmdstat_getrange", {}).get("calls", 0))
+
+    before = await getranges()
+    mine = await a.reserve(100, 10)
+    assert await getranges() - before == 2
+    inflight = (await counters(a))["inflight"]
+    assert inflight[mine.instance_id] == 2 and sorted(inflight.values()) == [1] * 11 + [2]
+    await a.release(mine.rid)
+    for res in theirs:
+        await b.release(res.rid)
+    await assert_counters_match_reservations(a)

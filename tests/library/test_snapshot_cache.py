@@ -12,9 +12,10 @@ import pytest
 from coordinator import Coordinator
 from coordinator import coordinator as coordinator_module
 from coordinator.coordinator import REAP_STEP, SWEEP_STEP
-from coordinator.errors import CoordinationUnavailableError
+from coordinator.errors import CoordinationUnavailableError, InvalidArgumentError
 from coordinator.models import Hint, RequestShape
 from coordinator.packed import LIVE_BYTES, STATE_BYTES, LiveRecord, pack_live
+from coordinator.settings import Settings
 from coordinator.snapshot import PoolCache
 from tests.conftest import MakeCoordinator
 from tests.helpers import (
@@ -192,6 +193,60 @@ async def test_a_current_view_gets_only_the_changed_records(
     for res in [*taken, held]:
         await b.release(res.rid)
     await assert_view_is_current(a, make_coordinator)
+
+
+async def test_a_view_far_behind_ranks_a_random_sample(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Once replies show a node's view missed a change per instance, least_load ranks
+    Settings.stale_sample random instances (each node's own draw), until the view is
+    whole again."""
+    a, b = await two_nodes(make_coordinator)
+    await a.refresh(live=True)
+    ranked: list[tuple[int, int]] = []  # (sample asked for, changes the view missed)
+    real = a._columns_view.rank_least_load
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        ranked.append((kwargs["sample"], a._cache.missed_changes))
+        return real(*args, **kwargs)
+
+    a._columns_view.rank_least_load = spy  # type: ignore[method-assign]
+    sent = spy_replies(a)
+    mine = [await a.reserve(100, 10)]
+    assert ranked == [(0, 0)], "a current view ranks every instance"
+    theirs = [await b.reserve(100, 10) for _ in range(POOL_SIZE)]
+    mine.append(await a.reserve(100, 10))  # its reply tells a how far behind it is
+    assert a._cache.missed_changes >= POOL_SIZE
+    ranked.clear()
+    mine.append(await a.reserve(100, 10))
+    sample = a.settings.stale_sample
+    assert ranked[0][0] == sample > 0
+    assert all((s == sample) == (missed >= POOL_SIZE) for s, missed in ranked)
+    await a.refresh()
+    ranked.clear()
+    mine.append(await a.reserve(100, 10))
+    assert ranked == [(0, 0)], "a whole read makes the view current again"
+    assert all(reply[0] == "ok" for name, reply in sent if name == "reserve")
+    for res in mine:
+        await a.release(res.rid)
+    for res in theirs:
+        await b.release(res.rid)
+
+
+async def test_whole_reads_by_age_thin_out_in_a_large_fleet(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """read_state counts the nodes holding a lease; beyond snapshot_nodes of them, a
+    node lets its view age proportionally longer before reading it whole again."""
+    a = await make_coordinator("node-a", snapshot_nodes=2)
+    others = [await make_coordinator(f"node-{k}") for k in range(3)]
+    await a.register_instance(spec(0))
+    held = [await node.reserve(100, 10) for node in [a, *others]]  # each takes a lease
+    assert a.snapshot_max_age_ms() == a.settings.snapshot_max_age_ms
+    await a.refresh()
+    assert a.snapshot_max_age_ms() == a.settings.snapshot_max_age_ms * 4 / 2
+    for node, res in zip([a, *others], held, strict=True):
+        await node.release(res.rid)
 
 
 async def test_a_record_ahead_of_the_view_waits_for_the_one_before(
@@ -449,3 +504,17 @@ async def test_a_view_is_scored_at_the_current_time_not_at_its_last_read(
     assert all(b - c >= 500 for b, c in zip(before, after, strict=True)), (before, after)
     for res in held:
         await b.release(res.rid)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"stale_sample": 4}, "stale_sample must be 0 or in top_k"),
+        ({"stale_sample": -1}, "stale_sample"),
+        ({"snapshot_nodes": 0}, "snapshot_nodes must be a positive integer"),
+    ],
+)
+def test_view_settings_are_checked(changes: dict[str, int], message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        Settings(top_k=8, **changes)
+    assert Settings(stale_sample=0).stale_sample == 0  # 0 turns sampling off
