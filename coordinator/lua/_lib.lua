@@ -32,10 +32,11 @@ local function fail(kind, detail)
   return redis.error_reply('LCERR ' .. kind .. ' ' .. detail)
 end
 
--- A non-negative integer argument, or nil when it is not one.
+-- A non-negative integer argument, or nil when it is not one. (`n % 1` is 0 for an
+-- integer and NaN for NaN and the infinities: no call of math.floor.)
 local function int_arg(value, max)
   local n = tonumber(value)
-  if n == nil or n ~= n or n < 0 or n ~= math.floor(n) or n > (max or 1e15) then
+  if n == nil or n < 0 or n % 1 ~= 0 or n > (max or 1e15) then
     return nil
   end
   if n == 0 then return 0 end  -- '-0' would reach Redis as "-0", which HINCRBY rejects
