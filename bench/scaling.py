@@ -1306,8 +1306,9 @@ def flatness_reason(r: Results, n: int, metric: str, each_key: str, label: str) 
         f"{many['carries_per_req']:.2f} `carry` calls (a node of the {top} in one process "
         "waited longer than `carry_ms` between its own reserves) and "
         f"{max(0.0, reads):.2f} reads of the whole `state` ({human_bytes(STATE_BYTES * n)}: "
-        f"each of the {top} nodes decides for 1/{top} of the traffic, so its view is older "
-        f"than `snapshot_max_age_ms` before about one decision in {1 / max(reads, 1e-3):.0f}; "
+        f"each of the {top} nodes decides for 1/{top} of the traffic, so its view ages past "
+        "`snapshot_max_age_ms` (longer beyond `snapshot_nodes` live nodes) or its liveness "
+        f"past `live_refresh_ms` before about one decision in {1 / max(reads, 1e-3):.0f}; "
         "bytes out "
         f"{human_bytes(many['bytes_per_req'])} per request against "
         f"{human_bytes(one['bytes_per_req'])} with 1 node). "
@@ -1316,8 +1317,10 @@ def flatness_reason(r: Results, n: int, metric: str, each_key: str, label: str) 
         f"{top} ({one['commands_per_req'] / one['calls_per_req']:.0f} and "
         f"{many['commands_per_req'] / many['calls_per_req']:.0f} commands per call): a "
         "`reserve` whose view is many changes behind finds its first candidates busier "
-        "than their bounds and examines more of them (one read of each record, after one "
-        "HMGET each of the others' liveness, slots and max_slots).",
+        "than their bounds and examines more of them (one HMGET each of the others' "
+        "liveness, slots and max_slots, on a pool of up to 128 instances a listpack that "
+        "HMGET scans once per field, and their records in one read where their slots lie "
+        "close together, else one read each).",
         "",
     ]
 
@@ -1507,7 +1510,13 @@ def render(r: Results) -> str:
         "  to its slot. The whole `state` comes only in a `reserve` reply that did not",
         "  reserve (`stale`: the node decides again on fresh rows) to a view that is",
         "  behind, and from `read_state` when the view has not been current for",
-        "  `snapshot_max_age_ms` (500 ms); `live` every `live_refresh_ms` (2 s). Nodes",
+        "  `snapshot_max_age_ms` (500 ms; proportionally longer beyond `snapshot_nodes`,",
+        "  8, live nodes, which `read_state` counts: the pool serves about as many whole",
+        "  reads per second with 64 nodes as with 8); `live` every `live_refresh_ms`",
+        "  (2 s). A view that replies show missed a change per instance ranks",
+        "  `stale_sample` (16) random instances instead of all (power of d choices: the",
+        "  nodes' stale views all point at the same instances, which their concurrent",
+        "  picks then overload). Nodes",
         "  send their best 8 candidates (`top_k`) with bounds (live and prefilling",
         "  reservations, and how long its prefill may be busy: coordinator/guard.py);",
         "  of the candidates within their counts up to the first within all its bounds,",
@@ -1516,7 +1525,8 @@ def render(r: Results) -> str:
         "  more live reservations than the pool's mean (meta `inflight_total` over the",
         "  registered instances), so `stale` needs all 8 above the mean. The first",
         "  candidate costs three HGETs (liveness, slot, max_slots) and a record read;",
-        "  when the walk passes it over, the others' come in one HMGET each.",
+        "  when the walk passes it over, the others' come in one HMGET each, and their",
+        "  records in one GETRANGE when their slots lie within 4 KB of `state`.",
         "- **One call per request.** The proxy does not wait for a request's first-token",
         "  mark or release (`first_token_soon`, `release_soon`): the node holds them for",
         "  its next `reserve`, which applies them first in the same call, or sends all it",
