@@ -205,8 +205,7 @@ async def _record(workload: str, url: str, instances: int, requests: int) -> dic
             )
             start = pool_keys(sync, pool)
             log.on = True
-            # At least 40 cycles a node: views age and fall behind as in a longer run.
-            each = max(1, requests // nodes, 40 if nodes > 1 else 1)
+            each = per_node(requests, nodes)
             await asyncio.gather(
                 *(cycles(n, live, each) for n, live in zip(fleet, lives, strict=True))
             )
@@ -435,7 +434,13 @@ machine's speed as µs do (bench/instructions.py says how they are counted; repl
 one recording agree within about 2%). Each code version records its own calls and
 is replayed from the state they started from. For scale, a proxied request's
 `reserve` (with the previous request's mark and release) took 74 µs inside Redis
-at 64 instances on a fast day (docs/scaling.md section 2)."""
+at 64 instances on a fast day (docs/scaling.md section 2). A `request, 64 nodes` row
+over the same code's `request` row is issue 12's flatness in nodes on a busy shard
+(target: at most 1.3), counted where docs/scaling.md's replayed µs move from run to
+run; one recording of 64 concurrent nodes differs from the next by a few percent (the
+order their calls reach the server in), so compare such rows across runs with care.
+Instruction counts charge a large copy (a whole `state` read, say) per byte
+(valgrind counts each step of `rep movsb`), more than it costs a real core."""
 
 
 class _no_tree:
@@ -446,11 +451,20 @@ class _no_tree:
         return None
 
 
+def per_node(requests: int, nodes: int) -> int:
+    """Request cycles each node of a workload records: at least 40 a node with several
+    nodes, so that views age and fall behind as in a longer run."""
+    return max(1, requests // nodes, 40 if nodes > 1 else 1)
+
+
 def table(rows: list[tuple[str, int, str, dict[str, float]]], requests: int) -> str:
-    """The results as a markdown table, each workload's trees side by side."""
+    """The results as a markdown table, each workload's trees side by side, then each
+    tree's 64 nodes ÷ 1 node where both request workloads ran."""
+    fleet = per_node(requests, FLEET)
     lines = [
         f"Server instructions per request inside `{TOGGLE}` (callgrind), {requests} "
-        "recorded requests per workload, replayed from the state they started from.",
+        f"recorded requests per workload ({FLEET} nodes: {fleet} each, {fleet * FLEET:,}), "
+        "replayed from the state they started from.",
         "",
         "| workload | instances | code | instructions/request | ratio to the first | "
         "calls/request | same status |",
@@ -463,6 +477,14 @@ def table(rows: list[tuple[str, int, str, dict[str, float]]], requests: int) -> 
             f"| {workload} | {n:,} | {label} | {r['per_request']:,.0f} | "
             f"{r['per_request'] / base:.3f} | {r['calls_per_request']:.2f} | {r['same']:.1%} |"
         )
+    per = {(w, n, label): r["per_request"] for w, n, label, r in rows}
+    flat = [
+        f"{label} at {n:,} instances: {per[(WORKLOADS[1], n, label)] / one:.2f}"
+        for (w, n, label), one in per.items()
+        if w == WORKLOADS[0] and (WORKLOADS[1], n, label) in per
+    ]
+    if flat:
+        lines += ["", f"{FLEET} nodes ÷ 1 node (issue 12: at most 1.3): " + "; ".join(flat) + "."]
     return "\n".join(lines)
 
 

@@ -30,6 +30,26 @@ def test_the_table_gives_each_tree_its_ratio_to_the_first() -> None:
     assert "| request | 1,024 | abc | 500,000 | 1.000 | 1.00 | 100.0% |" in lines
 
 
+def test_the_table_gives_each_trees_flatness_in_nodes() -> None:
+    row = {"calls_per_request": 1.0, "same": 1.0}
+    fleet = f"request, {instructions.FLEET} nodes"
+    text = instructions.table(
+        [
+            ("request", 64, "abc", {"per_request": 600_000.0, **row}),
+            (fleet, 64, "abc", {"per_request": 900_000.0, **row}),
+            ("request", 64, "this", {"per_request": 500_000.0, **row}),
+            (fleet, 64, "this", {"per_request": 600_000.0, **row}),
+            ("request", 1024, "this", {"per_request": 500_000.0, **row}),
+        ],
+        requests=300,
+    )
+    assert "(64 nodes: 40 each, 2,560)" in text
+    assert text.splitlines()[-1] == (
+        "64 nodes ÷ 1 node (issue 12: at most 1.3): abc at 64 instances: 1.50; "
+        "this at 64 instances: 1.20."
+    )
+
+
 @pytest.mark.parametrize("flags", [["--requests", "0"], ["--instances", "0"]])
 def test_bad_counts_are_refused(flags: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.fastrank import ColumnarPool
-from coordinator.models import Hint, InstanceRow, InstanceSpec, RequestShape
+from coordinator.models import Hint, InstanceLoad, InstanceRow, InstanceSpec, RequestShape
 from coordinator.pressure import instance_load
 from coordinator.settings import Weights
 from coordinator.snapshot import PoolCache
@@ -98,6 +98,24 @@ REQUESTS = st.one_of(
 )
 
 
+def pool_cache(pool_rows: list[InstanceRow]) -> PoolCache:
+    """A node's view holding these rows."""
+    cache = PoolCache()
+    cache.rows = {r.id: r for r in pool_rows}
+    cache.membership = 1
+    return cache
+
+
+def eligible_loads(pool_rows: list[InstanceRow], room_only: bool) -> list[InstanceLoad]:
+    """The rows the reference least_load ranks (with room, when `room_only`)."""
+    adjusted = [instance_load(r, NOW, instance_ttl_ms=TTL, hint_ttl_ms=HINT_TTL) for r in pool_rows]
+    return [
+        r
+        for r in eligible(adjusted)
+        if not room_only or r.max_slots <= 0 or (r.inflight or 0) < r.max_slots
+    ]
+
+
 def assert_ranks_like_reference(
     columns: ColumnarPool,
     cache: PoolCache,
@@ -127,12 +145,7 @@ def assert_ranks_like_reference(
         sample=sample,
         rng=Drawn(drawn) if drawn else None,  # type: ignore[arg-type]
     )
-    adjusted = [instance_load(r, NOW, instance_ttl_ms=TTL, hint_ttl_ms=HINT_TTL) for r in pool_rows]
-    candidates = [
-        r
-        for r in eligible(adjusted)
-        if not room_only or r.max_slots <= 0 or (r.inflight or 0) < r.max_slots
-    ]
+    candidates = eligible_loads(pool_rows, room_only)
     if drawn and len(candidates) > sample:
         candidates = [candidates[j] for j in sorted(drawn)]
     ref = least_load(candidates, weights, ref_rr, request=request)
@@ -165,9 +178,7 @@ def test_fast_ranking_equals_reference(
     room_only: bool,
     partition: bool,
 ) -> None:
-    cache = PoolCache()
-    cache.rows = {r.id: r for r in pool_rows}
-    cache.membership = 1
+    cache = pool_cache(pool_rows)
     columns = ColumnarPool()
     if partition:  # the large-pool path: a partition, then a sort of the few first
         columns.sort_all_below = 0
@@ -209,18 +220,17 @@ def test_sampled_ranking_equals_reference_on_the_drawn_rows(
     """A sample (a view far behind: Settings.stale_sample) ranks exactly the drawn
     eligible rows, as the reference ranks them; with no more eligible rows than the
     sample, all of them."""
-    cache = PoolCache()
-    cache.rows = {r.id: r for r in pool_rows}
-    cache.membership = 1
-    adjusted = [instance_load(r, NOW, instance_ttl_ms=TTL, hint_ttl_ms=HINT_TTL) for r in pool_rows]
-    count = sum(
-        1
-        for r in eligible(adjusted)
-        if not room_only or r.max_slots <= 0 or (r.inflight or 0) < r.max_slots
-    )
+    count = len(eligible_loads(pool_rows, room_only))
     drawn = [j for j in order if j < count][: min(size, max(count - 1, 1))]
     assert_ranks_like_reference(
-        ColumnarPool(), cache, rr_start, k, weights, request, room_only, drawn or None
+        ColumnarPool(),
+        pool_cache(pool_rows),
+        rr_start,
+        k,
+        weights,
+        request,
+        room_only,
+        drawn or None,
     )
 
 
@@ -257,9 +267,7 @@ def test_columns_kept_across_changes_rank_like_reference(
     """What the columns keep between decisions (derived per row, the prefill column of
     the last prompt size, hint counts) follows every changed row."""
     pool_rows, rounds = changes
-    cache = PoolCache()
-    cache.rows = {r.id: r for r in pool_rows}
-    cache.membership = 1
+    cache = pool_cache(pool_rows)
     columns = ColumnarPool()
     assert_ranks_like_reference(columns, cache, 0, k, weights, request, room_only)
     for rr_start, changed in enumerate(rounds, 1):
