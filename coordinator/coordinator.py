@@ -145,6 +145,10 @@ class Stats:
     carry_calls: int = 0  # held marks and releases sent in their own call (no reserve came)
 
 
+# read_state's reply: a view (PoolCache.apply_view's fields), then the leased nodes.
+READ_STATE_VIEW = 6
+
+
 class Coordinator:
     """One node's handle on one pool: registry, snapshot, reservations, lease."""
 
@@ -428,9 +432,9 @@ class Coordinator:
             due = self._live_due() if live is None else live
             issued = self._cache.state_ver
             reply = await self._call("read_state", [int(due)])
-            if not self._apply(reply[:6], issued):
+            if not self._apply(reply[:READ_STATE_VIEW], issued):
                 raise CoordinationUnavailableError("redis lost the pool: re-asserting")
-            self._live_nodes = max(1, int(reply[6]))
+            self._live_nodes = max(1, int(reply[READ_STATE_VIEW]))
             if self._cache.specs_behind:
                 await self._read_specs(self._call)
             # Liveness comes again when the view started over or gained instances.
@@ -1199,7 +1203,7 @@ class Coordinator:
         # using the old rows until then (the reads in between may take many steps).
         fresh = self._new_cache()
         fresh.apply_learned(self._cache.learned)
-        fresh.apply_view(*(await direct("read_state", [1]))[:6])
+        fresh.apply_view(*(await direct("read_state", [1]))[:READ_STATE_VIEW])
         if fresh.specs_behind:
             await self._read_specs(direct, fresh)
         self._cache.take(fresh)

@@ -159,16 +159,12 @@ def assert_ranks_like_reference(
     assert fast_rr.counter == ref_rr.counter
 
 
+# A pool, the rotation's start, k, the weights, the request and room_only.
+RANKED = (rows(), st.integers(0, 20), st.integers(1, 6), WEIGHTS, REQUESTS, st.booleans())
+
+
 @settings(max_examples=300, deadline=None)
-@given(
-    rows(),
-    st.integers(0, 20),
-    st.integers(1, 6),
-    WEIGHTS,
-    REQUESTS,
-    st.booleans(),
-    st.booleans(),
-)
+@given(*RANKED, st.booleans())
 def test_fast_ranking_equals_reference(
     pool_rows: list[InstanceRow],
     rr_start: int,
@@ -197,16 +193,7 @@ class Drawn:
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    rows(),
-    st.integers(0, 20),
-    st.integers(1, 6),
-    WEIGHTS,
-    REQUESTS,
-    st.booleans(),
-    st.permutations(range(12)),
-    st.integers(1, 11),
-)
+@given(*RANKED, st.permutations(range(12)), st.integers(1, 11))
 def test_sampled_ranking_equals_reference_on_the_drawn_rows(
     pool_rows: list[InstanceRow],
     rr_start: int,
