@@ -39,6 +39,7 @@ from coordinator.coordinator import (  # noqa: E402
     CANDIDATE_ARGS,
     CARRY_STEP,
     REAP_STEP,
+    RESERVE_HEAD_ARGS,
     SPEC_READ_STEP,
     SWEEP_STEP,
     TIMING_STEP,
@@ -46,7 +47,7 @@ from coordinator.coordinator import (  # noqa: E402
 )
 from coordinator.keys import COLUMNS, PoolKeys  # noqa: E402
 from coordinator.outliers import OutlierPolicy  # noqa: E402
-from coordinator.packed import STATE_BYTES  # noqa: E402
+from coordinator.packed import NO_SLOT, STATE_BYTES, pack_candidate  # noqa: E402
 from coordinator.scripts import SCRIPT_NAMES, script_source, with_prelude  # noqa: E402
 from coordinator.timing import flush_interval_ms  # noqa: E402
 from local_fleet.embedded import EmbeddedRedis  # noqa: E402
@@ -513,9 +514,10 @@ def piped_reserve_args(
     of PIPED_NAMES, each observed as busy as can be: the first is taken), then the
     carried marks and releases (`carried`: op, rid pairs; None sends no such part)."""
     k = SETTINGS.top_k
-    out: list[Any] = [rid, node, 512, 128, 0, enforce, SETTINGS.instance_ttl_ms, 0, "", k, 0]
+    out: list[Any] = [rid, node, 512, 128, 0, enforce, SETTINGS.instance_ttl_ms, 0, "", k, 0, ""]
     for c in range(k):
-        out += [PIPED_NAMES[(i + c) % len(PIPED_NAMES)], 50, 2000, 10**12, 10**12, 0]
+        bounds = pack_candidate(NO_SLOT, 50, 2000, 10**12, 10**12, 0)
+        out += [PIPED_NAMES[(i + c) % len(PIPED_NAMES)], bounds]
     return out if carried is None else [*out, len(carried) // 2, *carried]
 
 
@@ -548,10 +550,10 @@ def pipelined_cycles(url: str, pool: str, requests: int) -> dict[str, float]:
 
 
 def request_call_args() -> int:
-    """Arguments of a proxied request's one call: reserve's 11, a group of
-    CANDIDATE_ARGS per candidate, then the carried mark and release (a count and 2
+    """Arguments of a proxied request's one call: reserve's RESERVE_HEAD_ARGS, a group
+    of CANDIDATE_ARGS per candidate, then the carried mark and release (a count and 2
     pairs)."""
-    return 11 + CANDIDATE_ARGS * SETTINGS.top_k + 1 + 2 * 2
+    return RESERVE_HEAD_ARGS + CANDIDATE_ARGS * SETTINGS.top_k + 1 + 2 * 2
 
 
 # Where reserve.lua is cut to time its parts: after its arguments are read and its

@@ -53,7 +53,7 @@ from coordinator.models import (
     Reservation,
 )
 from coordinator.outliers import Outcome, OutlierPolicy, OutlierView, parse_outliers
-from coordinator.packed import as_text, pack_slots
+from coordinator.packed import NO_SLOT, as_text, pack_candidate
 from coordinator.prefix import guarded_cached_tokens
 from coordinator.prefix_index import PrefixIndex
 from coordinator.pressure import instance_load
@@ -96,9 +96,11 @@ TIMING_STEP = 32
 # Held marks and releases one call carries: 20-50 µs of Redis time each, so a burst
 # of completions (an engine that dropped its streams) goes in bounded calls.
 CARRY_STEP = 32
-# Values per candidate in reserve's arguments: id, prefill_ms, decode_ms and the
-# three guard bounds (lua/reserve.lua, coordinator/guard.py).
-CANDIDATE_ARGS = 6
+# reserve's arguments before its candidates, and per candidate: the id and its packed
+# slot, prefill_ms, decode_ms and three guard bounds (lua/reserve.lua,
+# coordinator/packed.py pack_candidate, coordinator/guard.py).
+RESERVE_HEAD_ARGS = 12
+CANDIDATE_ARGS = 2
 # Reservations one reap_node call may release (40-115 us each at 10k instances: 50 took
 # 5.7 ms on a slow spell of this 2-core VM, so half that keeps a step below 5 ms).
 REAP_STEP = 25
@@ -659,7 +661,7 @@ class Coordinator:
                 candidates, ties = ranking.for_reserve(s.top_k)
             if not candidates:
                 raise NoInstanceError("no alive instance in pool " + self.pool)
-            candidates, tie_arg = self._slot_ordered(candidates, ties)
+            candidates = self._slot_ordered(candidates, ties)
             # With one candidate there is nothing to spread over: no point retrying.
             force = attempt == s.reserve_retries or len(candidates) == 1
             args: list[Any] = [
@@ -673,7 +675,8 @@ class Coordinator:
                 0 if self._leased else s.lease_ms,
                 self._cache.view_token,
                 len(candidates),
-                tie_arg,
+                ties,
+                self._cache.slots_token,
             ]
             rows = [self._cache.rows[iid] for iid in candidates]
             cached = bool(request.cached_tokens)
@@ -690,16 +693,21 @@ class Coordinator:
                 # only when there is no credit at all.
                 None if cached else prefills,
             )
+            entries = self._cache.entries
             for row, prefill, (max_inflight, max_pending, max_free_at) in zip(
                 rows, prefills, bounds, strict=True
             ):
+                entry = entries.get(row.id)
                 args += [
                     row.id,
-                    prefill,
-                    row.spec.decode_ms(expected),
-                    max_inflight,
-                    max_pending,
-                    max_free_at,
+                    pack_candidate(
+                        entry.slot if entry else NO_SLOT,
+                        prefill,
+                        row.spec.decode_ms(expected),
+                        max_inflight,
+                        max_pending,
+                        max_free_at,
+                    ),
                 ]
             carried = self._take_carried(rid)
             if self._carry:
@@ -745,24 +753,18 @@ class Coordinator:
             self.stats.reserve_retries += 1
         raise NoInstanceError("no alive instance accepted the reservation")
 
-    def _slot_ordered(self, candidates: list[str], ties: int) -> tuple[list[str], int | str]:
-        """The candidates with the tied ones in their slots' order, and reserve's tie
-        argument: '<ties>:<their slots>', so the script orders its walk round the pool
-        without reading their slots (lua/reserve.lua ARGV[11]); the bare count when a
-        slot is not known here."""
+    def _slot_ordered(self, candidates: list[str], ties: int) -> list[str]:
+        """The candidates with the tied ones in their slots' order, as the script
+        walks them round the pool (lua/reserve.lua ARGV[11]): it then sorts nothing."""
         if ties < 2:
-            return candidates, ties
+            return candidates
         entries = self._cache.entries
 
         def slot(iid: str) -> int:
             entry = entries.get(iid)
             return entry.slot if entry else -1
 
-        tied = sorted(candidates[:ties], key=slot)
-        packed = pack_slots([slot(iid) for iid in tied])
-        if packed is None:
-            return candidates, ties
-        return tied + candidates[ties:], f"{ties}:{packed}"
+        return sorted(candidates[:ties], key=slot) + candidates[ties:]
 
     def _guard_hot_spots(self, request: RequestShape) -> RequestShape:
         """The request as ranking sees it: cache credit faded on instances much busier

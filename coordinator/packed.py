@@ -76,16 +76,30 @@ def _digits(value: int, width: int) -> bytes:
     return bytes((value >> (7 * (width - 1 - k))) & 0x7F for k in range(width))
 
 
-SLOT_DIGITS = 3  # a slot in reserve's tie argument (lua/reserve.lua ARGV[11])
+NO_SLOT = 128**3 - 1  # a candidate's slot the node does not know
+# A reserve candidate's bounds (lua/reserve.lua ARGV[13..]): slot, prefill_ms,
+# decode_ms, max inflight, max pending_prefill, max prefill_free_at (digits each).
+CANDIDATE_FIELDS = (3, 4, 4, 3, 3, 6)
 
 
-def pack_slots(slots: list[int]) -> str | None:
-    """Slots as SLOT_DIGITS base-128 digits each, as text (characters 0..127 are one
-    byte each in UTF-8, so the client sends them as they are); None when one does not
-    fit (a slot that is not known, -1, or beyond 128**SLOT_DIGITS)."""
-    if not slots or min(slots) < 0 or max(slots) >= 128**SLOT_DIGITS:
-        return None
-    return "".join(_digits(slot, SLOT_DIGITS).decode("ascii") for slot in slots)
+def pack_candidate(
+    slot: int, prefill_ms: int, decode_ms: int, max_inflight: int, max_pending: int,
+    max_free_at: int,
+) -> bytes:  # fmt: skip
+    """One reserve candidate's bounds as CANDIDATE_FIELDS base-128 digits, so the
+    script parses no number: each value saturates at its width (bounds past a count's
+    3 digits only ever pass, as the counters saturate there too), a slot that is not
+    known (-1) or does not fit becomes NO_SLOT, and the script checks what it reads."""
+    if not 0 <= slot < NO_SLOT:
+        slot = NO_SLOT
+    out = bytearray()
+    for value, width in zip(
+        (slot, prefill_ms, decode_ms, max_inflight, max_pending, max_free_at),
+        CANDIDATE_FIELDS,
+        strict=True,
+    ):
+        out += _digits(value, width)
+    return bytes(out)
 
 
 def pack_live(record: LiveRecord) -> bytes:

@@ -107,6 +107,12 @@ class PoolCache:
         return f"{self.run_id}:{self.state_ver}" if self.state_ver >= 0 else ""
 
     @property
+    def slots_token(self) -> str:
+        """The run and spec_gen this view's slots were read at, '<run_id>:<spec_gen>'
+        (reserve trusts the slots sent while they are the pool's), or '' for none."""
+        return f"{self.run_id}:{self.spec_gen}" if self.spec_gen >= 0 else ""
+
+    @property
     def missed_changes(self) -> int:
         """Changes of `state` replies reported that this view has not applied in order:
         how far behind the view is (its records ahead count as missed too)."""

@@ -178,11 +178,12 @@ local function be6(v)
   return string.char((v - b) / 128, b, c, d, e, f)
 end
 
--- A packed state record's five fields (pending, decode, free_at, earliest, pending_ms),
--- from one string.byte call into locals: no table, no loop (every transition reads one).
-local function decode_state(raw)
+-- The five fields (pending, decode, free_at, earliest, pending_ms) of the packed state
+-- record at byte `at` (0-based) of `raw`, from one string.byte call into locals: no
+-- table, no loop, no substring (every transition reads one, a reserve's walk several).
+local function decode_state(raw, at)
   local a1, a2, a3, b1, b2, b3, c1, c2, c3, c4, c5, c6, d1, d2, d3, d4, d5, d6,
-    e1, e2, e3, e4, e5, e6 = string.byte(raw, 1, STATE_BYTES)
+    e1, e2, e3, e4, e5, e6 = string.byte(raw, at + 1, at + STATE_BYTES)
   return (a1 * 128 + a2) * 128 + a3, (b1 * 128 + b2) * 128 + b3,
     ((((c1 * 128 + c2) * 128 + c3) * 128 + c4) * 128 + c5) * 128 + c6,
     ((((d1 * 128 + d2) * 128 + d3) * 128 + d4) * 128 + d5) * 128 + d6,
@@ -194,14 +195,14 @@ end
 -- write) works on the same copy.
 local slot_states = {}
 
--- Records of slots lo..hi read by one GETRANGE ahead of their use (prefetch_states),
--- or nil; dropped once anything writes `state`.
+-- Records of slots lo..hi of `state` read by one GETRANGE ahead of their use
+-- (prefetch_states), or nil; dropped once anything writes `state`.
 local state_span = nil
 
--- Read the records of these slots (numbers; -1 or nil: none) in one GETRANGE when
--- they lie within `max_bytes` of each other: a reserve walking past its first
--- candidate then reads each of the others without a command of its own.
-local function prefetch_states(slots, max_bytes)
+-- Records of the slots `slots` (numbers; -1 or nil: none) of the packed string `key`,
+-- `width` bytes each: {lo, hi, raw} read by one GETRANGE when they lie within
+-- `max_bytes` of each other and are not all one slot, else nil.
+local function read_span(key, width, slots, max_bytes)
   local lo, hi = nil, nil
   for _, s in pairs(slots) do
     if s and s >= 0 then
@@ -209,38 +210,49 @@ local function prefetch_states(slots, max_bytes)
       if hi == nil or s > hi then hi = s end
     end
   end
-  if lo == nil or lo == hi or (hi - lo + 1) * STATE_BYTES > max_bytes then return end
-  state_span = {lo = lo, hi = hi,
-    raw = redis.call('GETRANGE', K_STATE, lo * STATE_BYTES, (hi + 1) * STATE_BYTES - 1)}
+  if lo == nil or lo == hi or (hi - lo + 1) * width > max_bytes then return nil end
+  return {lo = lo, hi = hi,
+    raw = redis.call('GETRANGE', key, lo * width, (hi + 1) * width - 1)}
 end
 
--- Instance `id`'s packed state record, decoded: {slot, pending, decode, free_at,
--- earliest, pending_ms, base}, `base` the inflight last written; nil when `id` has no
--- slot (`slot`: its value in the slot hash, false when it has none). Change the
--- fields, then write_state.
+-- Read the state records of these slots in one GETRANGE when they lie close together:
+-- a reserve walking past its first candidate then reads each of the others without a
+-- command of its own.
+local function prefetch_states(slots, max_bytes)
+  state_span = read_span(K_STATE, STATE_BYTES, slots, max_bytes)
+end
+
+-- The five fields of slot `slot`'s state record (decode_state), as Redis has them now
+-- (zeros past the end of `state`): from the prefetched span, or one GETRANGE.
+local function state_fields(slot)
+  local span = state_span
+  if span and slot >= span.lo and slot <= span.hi then
+    return decode_state(span.raw, (slot - span.lo) * STATE_BYTES)
+  end
+  local at = slot * STATE_BYTES
+  local raw = redis.call('GETRANGE', K_STATE, at, at + STATE_BYTES - 1)
+  if #raw < STATE_BYTES then return 0, 0, 0, 0, 0 end
+  return decode_state(raw, 0)
+end
+
+-- Keep instance `id`'s state, read as these fields, as this call's copy of it:
+-- {slot, pending, decode, free_at, earliest, pending_ms, base}, `base` the inflight
+-- last written. Change the fields, then write_state.
+local function adopt_state(id, slot, pending, decode, free_at, earliest, pending_ms)
+  local st = {slot = slot, pending = pending, decode = decode, free_at = free_at,
+    earliest = earliest, pending_ms = pending_ms, base = pending + decode}
+  slot_states[id] = st
+  return st
+end
+
+-- Instance `id`'s state (adopt_state), read once per call; nil when `id` has no slot
+-- (`slot`: its value in the slot hash, false when it has none).
 local function slot_state_at(id, slot)
   local st = slot_states[id]
   if st then return st end
   if not slot then return nil end
   slot = tonumber(slot)
-  local raw
-  if state_span and slot >= state_span.lo and slot <= state_span.hi then
-    local at = (slot - state_span.lo) * STATE_BYTES
-    raw = string.sub(state_span.raw, at + 1, at + STATE_BYTES)
-  else
-    local at = slot * STATE_BYTES
-    raw = redis.call('GETRANGE', K_STATE, at, at + STATE_BYTES - 1)
-  end
-  if #raw < STATE_BYTES then
-    st = {slot = slot, pending = 0, decode = 0, free_at = 0, earliest = 0, pending_ms = 0,
-      base = 0}
-  else
-    local pending, decode, free_at, earliest, pending_ms = decode_state(raw)
-    st = {slot = slot, pending = pending, decode = decode, free_at = free_at,
-      earliest = earliest, pending_ms = pending_ms, base = pending + decode}
-  end
-  slot_states[id] = st
-  return st
+  return adopt_state(id, slot, state_fields(slot))
 end
 
 -- slot_state_at with the slot looked up (HGET slot).

@@ -20,14 +20,18 @@
 --   The walk visits them in slot order, from the first slot after the one the pool's
 --   last reservation with ties took (meta tie_last), wrapping round, then the rest as
 --   ranked: the fleet's nodes take tied instances in one turn round the pool, not each
---   by a rotation of its own that the others' collide with. 0 or 1: no ties.
---   Or '<ties>:<slots>': the tied candidates' slots as the caller's view has them, 3
---   base-128 digits each (coordinator/packed.py), in ascending order (else they are
---   sorted here): the walk is ordered without reading them (a stale one changes only
---   whose turn it is; what a candidate's state is read at is always Redis's slot).
--- ARGV[12 ..] = n groups of
---   {instance id, prefill_ms (ms, <= 86400000), decode_ms (ms, <= 86400000),
---    max inflight, max pending_prefill, max prefill_free_at}: the most live
+--   by a rotation of its own that the others' collide with. 0 or 1: no ties. The
+--   order uses the slots the candidates' bounds carry, read here only when one is not
+--   known (a stale one changes only whose turn it is).
+-- ARGV[12] = '<run_id>:<spec_gen>': the pool run and spec_gen the caller's slots were
+--   read at, or ''. When they are the pool's, no slot changed hands since (only a
+--   registration or an unregistration moves a slot, and each bumps spec_gen), so the
+--   slots sent are the instances' slots: the walk reads no `slot` hash. Otherwise each
+--   visited candidate's slot is looked up.
+-- ARGV[13 ..] = n pairs {instance id, bounds}: bounds is 23 base-128 digits
+--   (coordinator/packed.py pack_candidate): the instance's slot as the caller has it
+--   (3; 2097151 = not known), prefill_ms (4) and decode_ms (4) (ms, <= 86400000), max
+--   inflight (3), max pending_prefill (3), max prefill_free_at (6): the most live
 --   reservations (both phases) and prefill-phase reservations the candidate may have
 --   now, and the latest its prefill may be busy until (Redis ms; 0 = no bound; an
 --   instance whose prefill is free now always passes), and still be taken. The
@@ -35,8 +39,9 @@
 --   ranked after this one (coordinator/guard.py: so a candidate is still taken while
 --   it is no busier, and would start this request's prefill no later, than the
 --   alternatives the caller knows: a stale view costs no retry as long as its order
---   holds). A group is checked only when the script looks at its candidate.
--- ARGV[12 + 6n] (optional) = m (<= 64), then m pairs {'f' | 'r', rid}: first-token marks and
+--   holds). Packed, so the walk parses no number: a group is checked only when the
+--   script looks at its candidate.
+-- ARGV[13 + 2n] (optional) = m (<= 64), then m pairs {'f' | 'r', rid}: first-token marks and
 --   releases of this node's reservations that ride along with this call (the node
 --   holds them back a few ms for its next reserve, so a request costs one call, not
 --   three). They are applied in order, whatever this call's status: after it decided
@@ -77,52 +82,66 @@ if ttl == nil then return fail('bad_arg', 'ttl_ms') end
 local lease_ms = int_arg(ARGV[8], 86400000)
 if lease_ms == nil then return fail('bad_arg', 'lease_ms') end
 local n = int_arg(ARGV[10], 64)
-if n == nil or n < 1 or #ARGV < 11 + 6 * n then
-  return fail('bad_arg', 'candidates: expected n >= 1 groups of 6')
+if n == nil or n < 1 or #ARGV < 12 + 2 * n then
+  return fail('bad_arg', 'candidates: expected n >= 1 pairs of {id, bounds}')
 end
-local ties_arg, tie_slots = ARGV[11], nil
-local colon = string.find(ties_arg, ':', 1, true)
-if colon then
-  tie_slots = string.sub(ties_arg, colon + 1)
-  ties_arg = string.sub(ties_arg, 1, colon - 1)
-end
-local ties = int_arg(ties_arg, n)
-if ties == nil or (tie_slots and #tie_slots ~= 3 * ties) then
-  return fail('bad_arg', 'ties must be an integer in 0..n, with 3 bytes of slot per tie')
-end
-local G = 11  -- candidate i's group is ARGV[G + 6(i - 1) + 1 .. G + 6i]
--- Candidate i's group, or nil when one of its numbers is not valid. The id needs no
--- pattern check: one that is not registered is never alive, so never chosen or written.
-local function candidate(i)
-  local base = G + 6 * (i - 1)
-  local c = {id = ARGV[base + 1],
-    prefill_ms = int_arg(ARGV[base + 2], MAX_PREDICTED_MS),
-    decode_ms = int_arg(ARGV[base + 3], MAX_PREDICTED_MS),
-    max_inflight = int_arg(ARGV[base + 4]), max_pending = int_arg(ARGV[base + 5]),
-    max_free_at = int_arg(ARGV[base + 6])}
-  if c.prefill_ms == nil or c.decode_ms == nil or c.max_inflight == nil
-    or c.max_pending == nil or c.max_free_at == nil then
-    return nil
+local ties = int_arg(ARGV[11], n)
+if ties == nil then return fail('bad_arg', 'ties must be an integer in 0..n') end
+local G = 12  -- candidate i's pair is ARGV[G + 2i - 1], ARGV[G + 2i]
+local BOUNDS_BYTES, NO_SLOT = 23, 2097151
+
+-- Candidate i's bounds: slot (nil when not known), prefill_ms, decode_ms, max
+-- inflight, max pending and max free-at; or nothing when they are not valid. The id
+-- needs no pattern check: one that is not registered is never alive, so never chosen
+-- or written.
+local function bounds(i)
+  local raw = ARGV[G + 2 * i]
+  if #raw ~= BOUNDS_BYTES then return end
+  local s1, s2, s3, p1, p2, p3, p4, d1, d2, d3, d4, i1, i2, i3, q1, q2, q3,
+    f1, f2, f3, f4, f5, f6 = string.byte(raw, 1, BOUNDS_BYTES)
+  if math.max(s1, s2, s3, p1, p2, p3, p4, d1, d2, d3, d4, i1, i2, i3, q1, q2, q3,
+      f1, f2, f3, f4, f5, f6) > 127 then
+    return
   end
-  return c
+  local prefill_ms = ((p1 * 128 + p2) * 128 + p3) * 128 + p4
+  local decode_ms = ((d1 * 128 + d2) * 128 + d3) * 128 + d4
+  if prefill_ms > MAX_PREDICTED_MS or decode_ms > MAX_PREDICTED_MS then return end
+  local slot = (s1 * 128 + s2) * 128 + s3
+  if slot == NO_SLOT then slot = nil end
+  return slot, prefill_ms, decode_ms, (i1 * 128 + i2) * 128 + i3, (q1 * 128 + q2) * 128 + q3,
+    ((((f1 * 128 + f2) * 128 + f3) * 128 + f4) * 128 + f5) * 128 + f6
 end
 
+local function sent_slot(i)
+  local s1, s2, s3 = string.byte(ARGV[G + 2 * i], 1, 3)
+  local slot = s1 and s3 and (s1 * 128 + s2) * 128 + s3
+  if slot == NO_SLOT then return nil end
+  return slot
+end
+
+-- The slots sent are the instances' own when the caller read them at this pool run
+-- and spec_gen.
+local p0 = pool_counts()
+local trusted = ARGV[12] ~= '' and p0.run and ARGV[12] == p0.run .. ':' .. p0.spec_gen
+
 -- The order the walk visits the candidates in: the tied ones by slot from the first
--- after tie_last (wrapping round), then the rest as ranked. With a tie and no slots
--- from the caller, every candidate's slot is read here, once (false: not registered).
+-- after tie_last (wrapping round), then the rest as ranked. With a tie and a slot not
+-- sent, every candidate's slot is read here, once (false: not registered).
 local order, slots = {}, nil
 if ties >= 2 then
   local tied, slot_of = {}, {}
-  for i = 1, ties do tied[i] = i end
-  if tie_slots then
-    local d = {string.byte(tie_slots, 1, 3 * ties)}
-    for i = 1, ties do slot_of[i] = (d[3 * i - 2] * 128 + d[3 * i - 1]) * 128 + d[3 * i] end
-  else
+  for i = 1, ties do
+    tied[i] = i
+    slot_of[i] = sent_slot(i)
+    if slot_of[i] == nil then slots = true end
+  end
+  if slots then
     local ids = {}
-    for i = 1, n do ids[i] = ARGV[G + 6 * (i - 1) + 1] end
+    for i = 1, n do ids[i] = ARGV[G + 2 * i - 1] end
     slots = redis.call('HMGET', K_SLOT, unpack(ids))
     -- Each slot as a number once: a string's tonumber costs more than the whole sort.
-    for i = 1, ties do slot_of[i] = tonumber(slots[i]) or -1 end
+    for i = 1, n do slots[i] = tonumber(slots[i]) or false end
+    for i = 1, ties do slot_of[i] = slots[i] or -1 end
   end
   local ascending = true
   for i = 2, ties do
@@ -135,7 +154,7 @@ if ties >= 2 then
       return a < b
     end)
   end
-  local last, start = pool_counts().tie_last, 1
+  local last, start = p0.tie_last, 1
   for k = 1, ties do
     if slot_of[tied[k]] > last then start = k break end
   end
@@ -143,48 +162,66 @@ if ties >= 2 then
 end
 for i = #order + 1, n do order[i] = i end
 
--- Candidate i's last_seen, slot and max_slots (false when missing): the first visited
--- one's by one HGET each (a node whose view is current takes it); when the walk
--- passes it over, all the others' by one HMGET each. Slots read above are not read
--- again.
-local looked, looked_at = nil, {}
+-- Candidate i's slot (a number, or false when it has none) and max_slots (false when
+-- missing or not enforced): the slot sent when trusted, else Redis's (read above for
+-- ties, else by one HGET for the first candidate visited and, when the walk passes it
+-- over, one HMGET for all the others); its last_seen comes from its `live` record.
+-- Passing the first candidate over, the walk reads the others' `state` and `live`
+-- records in one GETRANGE each when they lie close together (a view many changes
+-- behind visits most of them).
+local looked, looked_at, live_span = nil, {}, nil
 local PREFETCH_BYTES = 4096  -- the whole state of a pool of up to 170 instances
-local function looked_up(i)
-  local id = ARGV[G + 6 * (i - 1) + 1]
+local function located(i, slot)
+  local id = ARGV[G + 2 * i - 1]
+  if not trusted or not slot then
+    slot = nil
+    if slots then slot = slots[i] end
+  end
   if i == order[1] then
-    local slot
-    if slots then slot = slots[i] else slot = redis.call('HGET', K_SLOT, id) end
-    return redis.call('HGET', K_LAST_SEEN, id), slot,
-      enforce and redis.call('HGET', K_MAX_SLOTS, id)
+    if slot == nil then slot = tonumber(redis.call('HGET', K_SLOT, id)) or false end
+    return slot, enforce and redis.call('HGET', K_MAX_SLOTS, id)
   end
   if not looked then
-    local ids = {}
+    local ids, lookup, near = {}, false, {}
     for k = 2, n do
-      ids[k - 1] = ARGV[G + 6 * (order[k] - 1) + 1]
-      looked_at[order[k]] = k - 1
+      local j = order[k]
+      ids[k - 1] = ARGV[G + 2 * j - 1]
+      looked_at[j] = k - 1
+      local s = slots and slots[j]
+      if trusted and s == nil then s = sent_slot(j) end
+      if s == nil then lookup = true end
+      near[k - 1] = s or nil
     end
-    looked = {redis.call('HMGET', K_LAST_SEEN, unpack(ids)),
-      not slots and redis.call('HMGET', K_SLOT, unpack(ids)),
+    looked = {lookup and redis.call('HMGET', K_SLOT, unpack(ids)),
       enforce and redis.call('HMGET', K_MAX_SLOTS, unpack(ids)) or {}}
-    -- A walk past the first candidate often visits most of the others (a view many
-    -- changes behind): their records in one read when they lie close together.
-    local near = {}
-    for k = 2, n do
-      local slot
-      if slots then slot = slots[order[k]] else slot = looked[2][k - 1] end
-      near[k - 1] = tonumber(slot)
+    if lookup then
+      for k = 1, n - 1 do near[k] = near[k] or tonumber(looked[1][k]) end
     end
     prefetch_states(near, PREFETCH_BYTES)
+    live_span = read_span(K_LIVE, LIVE_BYTES, near, PREFETCH_BYTES)
   end
   local at = looked_at[i]
-  local slot
-  if slots then slot = slots[i] else slot = looked[2][at] end
-  return looked[1][at], slot, looked[3][at]
+  if slot == nil then slot = tonumber(looked[1][at]) or false end
+  return slot, looked[2][at]
+end
+
+-- The last_seen (Redis ms) of slot `slot`'s `live` record: 0 when it has none.
+local function last_seen_at(slot)
+  local span, a, b, c, d, e, f = live_span
+  if span and slot >= span.lo and slot <= span.hi then
+    local at = (slot - span.lo) * LIVE_BYTES
+    a, b, c, d, e, f = string.byte(span.raw, at + 1, at + 6)
+  else
+    local at = slot * LIVE_BYTES
+    a, b, c, d, e, f = string.byte(redis.call('GETRANGE', K_LIVE, at, at + 5), 1, 6)
+  end
+  if not f then return 0 end
+  return ((((a * 128 + b) * 128 + c) * 128 + d) * 128 + e) * 128 + f
 end
 
 local m, err = 0, nil
-if #ARGV > G + 6 * n then
-  m, err = carried_count(G + 6 * n + 1)
+if #ARGV > G + 2 * n then
+  m, err = carried_count(G + 2 * n + 1)
   if m == nil then return err end
 end
 
@@ -198,7 +235,7 @@ local saw_alive, saw_full, min_slot_ms = false, false, nil
 -- A retry elsewhere reserves again under the rid its carried release ends.
 local rid_released = false
 for i = 1, m do
-  local at = G + 6 * n + 1 + 2 * i
+  local at = G + 2 * n + 1 + 2 * i
   if ARGV[at - 1] == 'r' and ARGV[at] == rid then rid_released = true end
 end
 if leased or lease_ms > 0 then
@@ -213,43 +250,59 @@ if leased or lease_ms > 0 then
   -- its count bounds: the one with the fewest live reservations now, when it has no
   -- more than the pool's mean (taking it cannot make it the busiest). A view many
   -- changes behind then costs no second call.
-  local least, least_st = nil, nil
-  local timed, timed_st, timed_ttft = nil, nil, nil
+  local least, timed, timed_ttft = nil, nil, nil
+  local alive_since = now - ttl
   for _, i in ipairs(order) do
-    local c = candidate(i)
-    if c == nil then return fail('bad_arg', 'candidate ' .. i) end
-    local last_seen, slot, max_slots = looked_up(i)
-    local st = last_seen and now - tonumber(last_seen) <= ttl and slot_state_at(c.id, slot)
-    if st then
+    local sent, prefill_ms, decode_ms, max_inflight, max_pending, max_free_at = bounds(i)
+    if prefill_ms == nil then return fail('bad_arg', 'candidate ' .. i) end
+    local slot, max_slots = located(i, sent)
+    local seen = slot and last_seen_at(slot)
+    if seen and seen > 0 and seen >= alive_since then
       saw_alive = true
-      local inflight = st.pending + st.decode
+      local pending, decode, free_at, earliest, pending_ms = state_fields(slot)
+      local inflight = pending + decode
       max_slots = enforce and tonumber(max_slots or '0') or 0
       if max_slots > 0 and inflight >= max_slots then
         saw_full = true
-        local wait = st.earliest > 0 and math.max(0, st.earliest - now) or 0
+        local wait = earliest > 0 and math.max(0, earliest - now) or 0
         if min_slot_ms == nil or wait < min_slot_ms then min_slot_ms = wait end
       else
-        if least == nil or inflight < least_st.base then least, least_st = c, st end
-        if not force and inflight <= c.max_inflight and st.pending <= c.max_pending then
-          local ttft = math.max(now, st.free_at) + c.prefill_ms
-          if timed == nil or ttft < timed_ttft then timed, timed_st, timed_ttft = c, st, ttft end
-          if c.max_free_at == 0 or st.free_at <= math.max(now, c.max_free_at) then break end
+        -- A table only for a candidate the walk keeps (most are passed over).
+        local kept = nil
+        if least == nil or inflight < least.inflight then
+          kept = {i = i, slot = slot, prefill_ms = prefill_ms, decode_ms = decode_ms,
+            inflight = inflight, state = {pending, decode, free_at, earliest, pending_ms}}
+          least = kept
+        end
+        if not force and inflight <= max_inflight and pending <= max_pending then
+          local ttft = math.max(now, free_at) + prefill_ms
+          if timed == nil or ttft < timed_ttft then
+            timed = kept or {i = i, slot = slot, prefill_ms = prefill_ms, decode_ms = decode_ms,
+              inflight = inflight, state = {pending, decode, free_at, earliest, pending_ms}}
+            timed_ttft = ttft
+          end
+          if max_free_at == 0 or free_at <= math.max(now, max_free_at) then break end
         end
       end
     end
   end
   if force then
-    chosen, chosen_st = least, least_st
+    chosen = least
   elseif timed ~= nil then
-    chosen, chosen_st = timed, timed_st
+    chosen = timed
   elseif least ~= nil
-      and least_st.base * redis.call('HLEN', K_SLOT) <= pool_counts().total then
-    chosen, chosen_st = least, least_st
+      and least.inflight * redis.call('HLEN', K_SLOT) <= pool_counts().total then
+    chosen = least
+  end
+  if chosen then
+    -- This call's copy of its state from here on: carried transitions change it too.
+    chosen.id = ARGV[G + 2 * chosen.i - 1]
+    chosen_st = adopt_state(chosen.id, chosen.slot, unpack(chosen.state))
   end
 end
 
 -- Then write: the carried transitions first, whatever the status.
-local carried, bumps = apply_carried(G + 6 * n + 1, m, KEYS[17], now)
+local carried, bumps = apply_carried(G + 2 * n + 1, m, KEYS[17], now)
 local run = pool_counts().run or run_id(now)
 local spec_gen = pool_counts().spec_gen
 local function view(patch)

@@ -36,6 +36,7 @@ from bench.sim.traces import (
     scale_to_utilization,
 )
 from coordinator import Coordinator
+from coordinator.packed import NO_SLOT, pack_candidate
 from coordinator.pressure import instance_load
 from coordinator_cli import bench as bench_cli
 from local_fleet.engine_model import EngineModel, EngineTiming
@@ -568,9 +569,9 @@ async def test_the_reserve_walk_matches_the_lua_script(make_coordinator: MakeCoo
     async def reserve(rid: str, groups: list[tuple[str, int, int, int, int]]) -> str | None:
         """Both sides on one ranked list (id, prefill_ms, max inflight, max pending,
         max free-at): the instance each took (None: stale), the sim mirroring a take."""
-        args: list[object] = [rid, "n1", 100, 10, 0, 0, 600_000, 600_000, "", len(groups), 0]
+        args: list[object] = [rid, "n1", 100, 10, 0, 0, 600_000, 600_000, "", len(groups), 0, ""]
         for iid, prefill_ms, *bounds in groups:
-            args += [iid, prefill_ms, 100, *bounds]
+            args += [iid, pack_candidate(NO_SLOT, prefill_ms, 100, *bounds)]
         now = await redis_now(c)
         at = state.walk(groups, now)
         reply = await c._direct_call("reserve", args, (rids_key,))

@@ -14,7 +14,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from coordinator import Coordinator
-from coordinator.coordinator import CANDIDATE_ARGS, CARRY_STEP
+from coordinator.coordinator import CANDIDATE_ARGS, CARRY_STEP, RESERVE_HEAD_ARGS
 from coordinator.errors import InvalidArgumentError
 from tests.conftest import MakeCoordinator
 from tests.helpers import (
@@ -220,7 +220,9 @@ async def test_a_burst_of_held_transitions_goes_in_bounded_calls(
     async def sized(name: str, real: Any, *args: Any) -> Any:
         if name in ("reserve", "carry"):
             script_args = args[1]
-            count_at = 0 if name == "carry" else 11 + CANDIDATE_ARGS * int(script_args[9])
+            count_at = (
+                0 if name == "carry" else RESERVE_HEAD_ARGS + CANDIDATE_ARGS * int(script_args[9])
+            )
             sizes.append((name, int(script_args[count_at])))
         return await real(*args)
 

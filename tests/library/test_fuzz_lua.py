@@ -39,7 +39,7 @@ from coordinator.errors import (
     from_response_error,
 )
 from coordinator.keys import ID_RE
-from coordinator.packed import as_text
+from coordinator.packed import as_text, pack_candidate
 from coordinator.scripts import SCRIPT_NAMES
 from coordinator.timing import add_sample, empty_record, pack
 from tests.helpers import assert_counters_match_reservations, delete_pool
@@ -202,11 +202,18 @@ def calls(draw: st.DrawFn, name: str) -> Call:
             draw(st.just("") | run_ids),
             str(n),
             str(draw(st.integers(0, n))),
+            draw(st.just("") | run_ids),
         ]
         for _ in range(n):
             candidate = draw(st.sampled_from(INSTANCES) | ids)
-            free_at = draw(st.sampled_from(["0", "1", "4398046511103"]) | ms)
-            args += [candidate, draw(ms), draw(ms), draw(counts), draw(counts), free_at]
+            free_at = draw(st.sampled_from([0, 1, 4398046511103]) | st.integers(0, 86_400_000))
+            bounds = pack_candidate(
+                draw(st.integers(-1, len(INSTANCES))),
+                *(draw(st.integers(0, 86_400_000)) for _ in range(2)),
+                *(draw(st.integers(0, 10**15)) for _ in range(2)),
+                free_at,
+            )
+            args += [candidate, bounds.decode("ascii")]
         if draw(st.booleans()):
             args += draw(transitions)
         return draw(mutate(name, args))
@@ -381,8 +388,8 @@ BASE_CALLS: dict[str, list[str]] = {
     "read_specs": ["0", "", "500"],
     "sweep": ["500"],
     "reserve": [
-        *("r-new", NODE, "100", "10", "1", "1", "600000", "0", "", "1", "0"),
-        *("i0", "15", "20", "0", "0", "0"),
+        *("r-new", NODE, "100", "10", "1", "1", "600000", "0", "", "1", "0", ""),
+        *("i0", pack_candidate(-1, 15, 20, 0, 0, 0).decode("ascii")),
         *("1", "f", PREFILL_RID),  # one carried first-token mark
     ],
     "mark_first_token": [PREFILL_RID],

@@ -15,7 +15,7 @@ from coordinator import (
     ScriptArgumentError,
     UnknownInstanceError,
 )
-from coordinator.packed import pack_slots
+from coordinator.packed import NO_SLOT, pack_candidate
 from coordinator.settings import Weights
 from tests.conftest import MakeCoordinator
 from tests.helpers import assert_counters_match_reservations, counters, live_reservations, spec
@@ -264,14 +264,24 @@ async def test_a_score_read_later_is_the_one_the_decision_made(
 
 
 def _reserve_args(
-    node: str, rid: str, groups: list[tuple[str, int, int]], ties: int = 0, free_at: int = 0
+    node: str,
+    rid: str,
+    groups: list[tuple[str, int, int]],
+    ties: int = 0,
+    free_at: int = 0,
+    slots: list[int] | None = None,
+    slots_token: str = "",
 ) -> list[object]:
     """The reserve script's arguments (its header), enforcing max_slots, for candidates
     (id, max inflight, max pending_prefill) in rank order, the first `ties` tied, each
-    with the bound `free_at` on its prefill's free-at (0: none)."""
-    args: list[object] = [rid, node, 10, 10, 0, 1, 600_000, 600_000, "", len(groups), ties]
-    for iid, max_inflight, max_pending in groups:
-        args += [iid, 5, 100, max_inflight, max_pending, free_at]
+    with the bound `free_at` on its prefill's free-at (0: none) and its slot from
+    `slots` (default: not known), read at `slots_token` ('<run_id>:<spec_gen>')."""
+    args: list[object] = [
+        rid, node, 10, 10, 0, 1, 600_000, 600_000, "", len(groups), ties, slots_token
+    ]  # fmt: skip
+    for k, (iid, max_inflight, max_pending) in enumerate(groups):
+        slot = slots[k] if slots else NO_SLOT
+        args += [iid, pack_candidate(slot, 5, 100, max_inflight, max_pending, free_at)]
     return args
 
 
@@ -420,19 +430,18 @@ async def test_tied_candidates_are_taken_in_the_pools_turn(
     """Two nodes sending a tied group take its instances in one turn round the pool
     (by slot, after meta tie_last), not each from its first: no two of four reserves
     share an instance, whatever order each node sends, and whether the script reads
-    the slots or the node sends them (ARGV[11] '<ties>:<slots>'). A refused call
+    the slots or the node sends them (in each candidate's bounds). A refused call
     leaves the turn where it was."""
     nodes = [await make_coordinator(f"n{k}") for k in range(2)]
     for i in range(4):
         await nodes[0].register_instance(spec(i))
     tied = [(f"i{i}", 99, 99) for i in range(4)]
     # Each node sends the tie in an order of its own: here last slot first.
-    tie_arg: int | str = f"4:{pack_slots([3, 2, 1, 0])}" if slots_sent else 4
+    slots = [3, 2, 1, 0] if slots_sent else None
     taken = []
     for k in range(4):
         node = nodes[k % 2]
-        args = _reserve_args(node.node_id, f"t{k}", tied[::-1])
-        args[10] = tie_arg
+        args = _reserve_args(node.node_id, f"t{k}", tied[::-1], ties=4, slots=slots)
         reply = await node._direct_call("reserve", args, (node.keys.node_rids(node.node_id),))
         assert reply[0] == "ok"
         taken.append(reply[1])
@@ -456,10 +465,12 @@ async def test_tied_candidates_are_taken_in_the_pools_turn(
     assert await one.redis.hget(meta, "tie_last") in (b"3", "3")
     with pytest.raises(ScriptArgumentError):
         await one._direct_call("reserve", _reserve_args("n0", "t7", tied, ties=5), (rids,))
-    bad = _reserve_args("n0", "t8", tied)
-    bad[10] = f"4:{pack_slots([0, 1, 2])}"  # three slots for four ties
-    with pytest.raises(ScriptArgumentError):
-        await one._direct_call("reserve", bad, (rids,))
+    for bounds in (b"\x00" * 22, b"\x00" * 22 + b"\x80", b"\x7f" * 23):
+        # Short; a byte that is no base-128 digit; a prefill past MAX_PREDICTED_MS.
+        bad = _reserve_args("n0", "t8", tied)
+        bad[13] = bounds
+        with pytest.raises(ScriptArgumentError):
+            await one._direct_call("reserve", bad, (rids,))
     await assert_counters_match_reservations(one)
 
 
@@ -471,21 +482,55 @@ async def test_sent_tie_slots_order_the_walk_and_the_turn_takes_redis_slot(
     c = await make_coordinator("n0")
     for i in range(3):
         await c.register_instance(spec(i))  # slots 0, 1, 2
-    args = _reserve_args("n0", "t0", [(f"i{i}", 99, 99) for i in range(3)])
-    args[10] = f"3:{pack_slots([2, 1, 0])}"  # as a stale view would have them
+    # As a stale view would have them (at no spec_gen reserve trusts).
+    args = _reserve_args("n0", "t0", [(f"i{i}", 99, 99) for i in range(3)], 3, slots=[2, 1, 0])
     reply = await c._direct_call("reserve", args, (c.keys.node_rids("n0"),))
     assert reply[:2] == ["ok", "i2"]  # the lowest slot sent, after no turn yet
     assert await c.redis.hget(c.keys.column("meta"), "tie_last") in (b"2", "2")
     await assert_counters_match_reservations(c)
 
 
-def test_tie_slots_pack_as_three_base_128_digits_or_not_at_all() -> None:
-    assert pack_slots([0, 1, 128, 128**3 - 1]) == (
-        "\x00\x00\x00" + "\x00\x00\x01" + "\x00\x01\x00" + "\x7f\x7f\x7f"
-    )
-    assert pack_slots([4, -1]) is None  # a slot the view does not know
-    assert pack_slots([128**3]) is None
-    assert pack_slots([]) is None
+def test_candidate_bounds_pack_as_base_128_digits() -> None:
+    assert pack_candidate(1, 128, 2, 3, 4, 5) == (
+        b"\x00\x00\x01" + b"\x00\x00\x01\x00" + b"\x00\x00\x00\x02" + b"\x00\x00\x03"
+        + b"\x00\x00\x04" + b"\x00" * 5 + b"\x05"
+    )  # fmt: skip
+    # A slot not known or too large for 3 digits; counts past 3 digits saturate.
+    for slot in (-1, NO_SLOT, 128**3):
+        assert pack_candidate(slot, 0, 0, 0, 0, 0)[:3] == b"\x7f\x7f\x7f"
+    assert pack_candidate(0, 0, 0, 128**3, 0, 0)[11:14] == b"\x7f\x7f\x7f"
+
+
+@pytest.mark.parametrize("backend", ["real"])  # counts the real server's own commands
+async def test_reserve_trusts_sent_slots_only_at_the_pools_run_and_spec_gen(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """At the pool's run and spec_gen the slots a node sends are the instances' own:
+    the script looks up no slot (two HGETs: the candidate's max_slots, enforced here,
+    and the chosen one's epoch). At an older
+    spec_gen or another run, even a wrong slot sent costs only a lookup: the
+    reservation counts on the instance's own record."""
+    c = await make_coordinator("n0")
+    for i in range(3):
+        await c.register_instance(spec(i))  # slots 0, 1, 2
+    meta = await c.redis.hmget(c.keys.column("meta"), ["run_id", "spec_gen"])
+    run, gen = (v.decode() if isinstance(v, bytes) else v for v in meta)
+    rids = c.keys.node_rids("n0")
+
+    async def hgets() -> int:
+        stats = await c.redis.info("commandstats")
+        return int(stats.get("cmdstat_hget", {}).get("calls", 0))
+
+    for k, (token, sent, lookups) in enumerate(
+        ((f"{run}:{gen}", 0, 0), (f"{run}:{int(gen) - 1}", 2, 1), (f"other:{gen}", 2, 1))
+    ):
+        before = await hgets()
+        args = _reserve_args("n0", f"r{k}", [("i0", 99, 99)], slots=[sent], slots_token=token)
+        assert (await c._direct_call("reserve", args, (rids,)))[:2] == ["ok", "i0"]
+        assert await hgets() - before == 2 + lookups
+    inflight = (await counters(c))["inflight"]
+    assert (inflight["i0"], inflight["i1"], inflight["i2"]) == (3, 0, 0)
+    await assert_counters_match_reservations(c)
 
 
 @pytest.mark.parametrize("backend", ["real"])  # counts the real server's own commands
@@ -493,8 +538,9 @@ async def test_a_walk_past_the_first_candidate_reads_the_others_records_at_once(
     make_coordinator: MakeCoordinator,
 ) -> None:
     """A view many changes behind sends candidates that all got busier: reserve reads
-    the first one's record, then the others' in one GETRANGE (their slots lie close
-    together), not one command each, and still takes the least busy of them."""
+    the first one's records, then the others' in one GETRANGE of `state` and one of
+    `live` (their slots lie close together), not one command each, and still takes the
+    least busy of them."""
     a = await make_coordinator("node-a", snapshot_max_age_ms=600_000, live_refresh_ms=600_000)
     b = await make_coordinator("node-b")
     for i in range(12):
@@ -509,7 +555,8 @@ async def test_a_walk_past_the_first_candidate_reads_the_others_records_at_once(
 
     before = await getranges()
     mine = await a.reserve(100, 10)
-    assert await getranges() - before == 2
+    # The first one's `state` and `live` records, then the others' of each at once.
+    assert await getranges() - before == 4
     inflight = (await counters(a))["inflight"]
     assert inflight[mine.instance_id] == 2 and sorted(inflight.values()) == [1] * 11 + [2]
     await a.release(mine.rid)
