@@ -316,6 +316,8 @@ def replay(
     of its calls whose status equals the recording's."""
     from redis import Redis as SyncRedis
 
+    from coordinator.coordinator import read_state_gets
+
     client = SyncRedis(port=server.port)
     try:
         client.flushall()
@@ -336,6 +338,10 @@ def replay(
                 for kind, name, keys, args in calls[at : at + PIPELINE]:
                     if kind == "hmget":
                         pipe.hmget(keys[0], args)
+                    elif name == "read_state":  # its transaction, with the GETs after
+                        pipe.evalsha(sha[name], len(keys), *keys)
+                        for key in read_state_gets(keys, args):
+                            pipe.get(key)
                     else:
                         pipe.evalsha(sha[name], len(keys), *keys, *args)
                 replies.extend(pipe.execute(raise_on_error=False))
@@ -345,10 +351,14 @@ def replay(
             client.eval("return 1", 0)
     finally:
         client.close()
-    statuses = [
-        sum(v is not None for v in r) if kind == "hmget" else status_of(r)
-        for (kind, _, _, _), r in zip(calls, replies, strict=True)
-    ]
+    answers = iter(replies)
+    statuses = []
+    for kind, name, keys, args in calls:
+        reply = next(answers)
+        if name == "read_state":
+            for _ in read_state_gets(keys, args):
+                next(answers)
+        statuses.append(sum(v is not None for v in reply) if kind == "hmget" else status_of(reply))
     same = sum(a == b for a, b in zip(statuses, recorded["statuses"], strict=True))
     return {
         "per_request": total / recorded["requests"],
