@@ -215,6 +215,9 @@ class Coordinator:
         # missing means peers may have reaped its reservations: it must re-assert.
         self._leased = False
         self._reasserting = False
+        # Set while re-assertion restores what its first pass left: new reservations
+        # wait for it instead of adding local ones it would have to chase.
+        self._restoring_tail: asyncio.Event | None = None
         self._lease_lost = False  # seen expired while re-asserting: start over
         self._renewed_mono = 0.0
         self._voids_left = 0  # instances with void records to sweep, per renew_lease
@@ -630,7 +633,12 @@ class Coordinator:
             try:
                 return await self._reserve_shared(rid, request, strategy, skip)
             except CoordinationUnavailableError:
-                return self._reserve_local(rid, request, strategy, skip)
+                hold = self._restoring_tail
+                if hold is None:
+                    return self._reserve_local(rid, request, strategy, skip)
+                # Re-assertion is restoring its last few reservations: one more local
+                # one would keep it chasing them. Wait (a few calls), then decide again.
+                await hold.wait()
             except PoolFullError as full:
                 remaining = deadline - time.monotonic()
                 if self.settings.full_policy == "reject" or remaining <= 0:
@@ -1189,11 +1197,14 @@ class Coordinator:
         self._reasserting = True
         try:
             await self._reassert_all()
+            # No await between the last check in _reassert_all and this switch:
+            # nothing can slip by.
+            self._degraded = False
         finally:
             self._reasserting = False
-        # No await between the last check in _reassert_all and this switch: nothing
-        # can slip by.
-        self._degraded = False
+            hold, self._restoring_tail = self._restoring_tail, None
+            if hold is not None:
+                hold.set()  # held reservations decide again: through Redis, or locally
 
     async def _reassert_all(self) -> None:
         direct = self._direct_call
@@ -1254,6 +1265,11 @@ class Coordinator:
             for rid in releases:
                 await direct("release", [rid], (self._node_rids,))
                 self._pending_releases.discard(rid)
+            if self._restoring_tail is None:
+                # The first pass is done: what came meanwhile is restored next, while
+                # new requests wait, so this loop ends (a node serving requests faster
+                # than it restores them would otherwise chase them for seconds).
+                self._restoring_tail = asyncio.Event()
 
     async def _restore_one(
         self,
