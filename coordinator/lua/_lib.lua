@@ -199,10 +199,10 @@ local slot_states = {}
 -- (prefetch_states), or nil; dropped once anything writes `state`.
 local state_span = nil
 
--- Records of the slots `slots` (numbers; -1 or nil: none) of the packed string `key`,
--- `width` bytes each: {lo, hi, raw} read by one GETRANGE when they lie within
--- `max_bytes` of each other and are not all one slot, else nil.
-local function read_span(key, width, slots, max_bytes)
+-- Read the records of these slots (numbers; -1 or nil: none) in one GETRANGE when
+-- they lie within `max_bytes` of each other: a reserve walking past its first
+-- candidate then reads each of the others without a command of its own.
+local function prefetch_states(slots, max_bytes)
   local lo, hi = nil, nil
   for _, s in pairs(slots) do
     if s and s >= 0 then
@@ -210,16 +210,9 @@ local function read_span(key, width, slots, max_bytes)
       if hi == nil or s > hi then hi = s end
     end
   end
-  if lo == nil or lo == hi or (hi - lo + 1) * width > max_bytes then return nil end
-  return {lo = lo, hi = hi,
-    raw = redis.call('GETRANGE', key, lo * width, (hi + 1) * width - 1)}
-end
-
--- Read the state records of these slots in one GETRANGE when they lie close together:
--- a reserve walking past its first candidate then reads each of the others without a
--- command of its own.
-local function prefetch_states(slots, max_bytes)
-  state_span = read_span(K_STATE, STATE_BYTES, slots, max_bytes)
+  if lo == nil or lo == hi or (hi - lo + 1) * STATE_BYTES > max_bytes then return end
+  state_span = {lo = lo, hi = hi,
+    raw = redis.call('GETRANGE', K_STATE, lo * STATE_BYTES, (hi + 1) * STATE_BYTES - 1)}
 end
 
 -- The five fields of slot `slot`'s state record (decode_state), as Redis has them now

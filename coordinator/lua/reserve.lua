@@ -165,11 +165,10 @@ for i = #order + 1, n do order[i] = i end
 -- Candidate i's slot (a number, or false when it has none) and max_slots (false when
 -- missing or not enforced): the slot sent when trusted, else Redis's (read above for
 -- ties, else by one HGET for the first candidate visited and, when the walk passes it
--- over, one HMGET for all the others); its last_seen comes from its `live` record.
--- Passing the first candidate over, the walk reads the others' `state` and `live`
--- records in one GETRANGE each when they lie close together (a view many changes
--- behind visits most of them).
-local looked, looked_at, live_span = nil, {}, nil
+-- over, one HMGET for all the others). Passing the first candidate over, the walk
+-- reads the others' `state` records in one GETRANGE when they lie close together (a
+-- view many changes behind visits most of them).
+local looked, looked_at = nil, {}
 local PREFETCH_BYTES = 4096  -- the whole state of a pool of up to 170 instances
 local function located(i, slot)
   local id = ARGV[G + 2 * i - 1]
@@ -198,25 +197,20 @@ local function located(i, slot)
       for k = 1, n - 1 do near[k] = near[k] or tonumber(looked[1][k]) end
     end
     prefetch_states(near, PREFETCH_BYTES)
-    live_span = read_span(K_LIVE, LIVE_BYTES, near, PREFETCH_BYTES)
   end
   local at = looked_at[i]
   if slot == nil then slot = tonumber(looked[1][at]) or false end
   return slot, looked[2][at]
 end
 
--- The last_seen (Redis ms) of slot `slot`'s `live` record: 0 when it has none.
-local function last_seen_at(slot)
-  local span, a, b, c, d, e, f = live_span
-  if span and slot >= span.lo and slot <= span.hi then
-    local at = (slot - span.lo) * LIVE_BYTES
-    a, b, c, d, e, f = string.byte(span.raw, at + 1, at + 6)
-  else
-    local at = slot * LIVE_BYTES
-    a, b, c, d, e, f = string.byte(redis.call('GETRANGE', K_LIVE, at, at + 5), 1, 6)
-  end
-  if not f then return 0 end
-  return ((((a * 128 + b) * 128 + c) * 128 + d) * 128 + e) * 128 + f
+-- Whether the instance at slot `slot` is alive: the last_seen of its `live` record
+-- (0 when it has none) within the ttl. Read only for a candidate the walk may keep.
+local function alive(slot, since)
+  local at = slot * LIVE_BYTES
+  local a, b, c, d, e, f = string.byte(redis.call('GETRANGE', K_LIVE, at, at + 5), 1, 6)
+  if not f then return false end
+  local seen = ((((a * 128 + b) * 128 + c) * 128 + d) * 128 + e) * 128 + f
+  return seen > 0 and seen >= since
 end
 
 local m, err = 0, nil
@@ -256,32 +250,39 @@ if leased or lease_ms > 0 then
     local sent, prefill_ms, decode_ms, max_inflight, max_pending, max_free_at = bounds(i)
     if prefill_ms == nil then return fail('bad_arg', 'candidate ' .. i) end
     local slot, max_slots = located(i, sent)
-    local seen = slot and last_seen_at(slot)
-    if seen and seen > 0 and seen >= alive_since then
-      saw_alive = true
+    if slot then
       local pending, decode, free_at, earliest, pending_ms = state_fields(slot)
       local inflight = pending + decode
       max_slots = enforce and tonumber(max_slots or '0') or 0
-      if max_slots > 0 and inflight >= max_slots then
-        saw_full = true
-        local wait = earliest > 0 and math.max(0, earliest - now) or 0
-        if min_slot_ms == nil or wait < min_slot_ms then min_slot_ms = wait end
-      else
-        -- A table only for a candidate the walk keeps (most are passed over).
-        local kept = nil
-        if least == nil or inflight < least.inflight then
-          kept = {i = i, slot = slot, prefill_ms = prefill_ms, decode_ms = decode_ms,
-            inflight = inflight, state = {pending, decode, free_at, earliest, pending_ms}}
-          least = kept
-        end
-        if not force and inflight <= max_inflight and pending <= max_pending then
-          local ttft = math.max(now, free_at) + prefill_ms
-          if timed == nil or ttft < timed_ttft then
-            timed = kept or {i = i, slot = slot, prefill_ms = prefill_ms, decode_ms = decode_ms,
+      local full = max_slots > 0 and inflight >= max_slots
+      local lesser = not full and (least == nil or inflight < least.inflight)
+      local fits = not full and not force and inflight <= max_inflight and pending <= max_pending
+      -- Liveness matters only to a candidate the walk would keep, or count as full: a
+      -- passed-over one costs no read of it (the first alive one is always kept, so
+      -- saw_alive comes out the same).
+      if (full or lesser or fits) and alive(slot, alive_since) then
+        saw_alive = true
+        if full then
+          saw_full = true
+          local wait = earliest > 0 and math.max(0, earliest - now) or 0
+          if min_slot_ms == nil or wait < min_slot_ms then min_slot_ms = wait end
+        else
+          -- A table only for a candidate the walk keeps (most are passed over).
+          local kept = nil
+          if lesser then
+            kept = {i = i, slot = slot, prefill_ms = prefill_ms, decode_ms = decode_ms,
               inflight = inflight, state = {pending, decode, free_at, earliest, pending_ms}}
-            timed_ttft = ttft
+            least = kept
           end
-          if max_free_at == 0 or free_at <= math.max(now, max_free_at) then break end
+          if fits then
+            local ttft = math.max(now, free_at) + prefill_ms
+            if timed == nil or ttft < timed_ttft then
+              timed = kept or {i = i, slot = slot, prefill_ms = prefill_ms, decode_ms = decode_ms,
+                inflight = inflight, state = {pending, decode, free_at, earliest, pending_ms}}
+              timed_ttft = ttft
+            end
+            if max_free_at == 0 or free_at <= math.max(now, max_free_at) then break end
+          end
         end
       end
     end
