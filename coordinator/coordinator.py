@@ -100,6 +100,10 @@ CARRY_STEP = 32
 # slot, prefill_ms, decode_ms and three guard bounds (lua/reserve.lua,
 # coordinator/packed.py pack_candidate, coordinator/guard.py).
 RESERVE_HEAD_ARGS = 12
+# A refused reserve to a view far behind brings the whole `state` only up to this
+# size (170 instances): copying more through Lua costs the server more than the
+# sampled retry it would serve (PoolCache.reserve_token).
+LEAN_STATE_BYTES = 4096
 CANDIDATE_ARGS = 2
 # Reservations one reap_node call may release (40-115 us each at 10k instances: 50 took
 # 5.7 ms on a slow spell of this 2-core VM, so half that keeps a step below 5 ms).
@@ -688,7 +692,7 @@ class Coordinator:
                 int(s.enforce_max_slots),
                 s.instance_ttl_ms,
                 0 if self._leased else s.lease_ms,
-                self._cache.view_token,
+                self._cache.reserve_token(LEAN_STATE_BYTES),
                 len(candidates),
                 ties,
                 self._cache.slots_token,

@@ -106,6 +106,17 @@ class PoolCache:
         """What reserve is told of this view: '<run_id>:<state_ver>', or '' for none."""
         return f"{self.run_id}:{self.state_ver}" if self.state_ver >= 0 else ""
 
+    def reserve_token(self, lean_bytes: int) -> str:
+        """view_token as reserve takes it: prefixed '~' while this view missed a change
+        per instance (least_load then ranks a random sample) and holds a `state` over
+        `lean_bytes`: a refused reserve then brings no whole state, which would cost
+        the server a copy through Lua; the next sample is decided on Redis's counters
+        anyway, and whole reads come by age, outside Lua (read_state)."""
+        token = self.view_token
+        if token and len(self.state) > lean_bytes and self.missed_changes >= len(self.rows):
+            return "~" + token
+        return token
+
     @property
     def slots_token(self) -> str:
         """The run and spec_gen this view's slots were read at, '<run_id>:<spec_gen>'
@@ -175,6 +186,8 @@ class PoolCache:
         elif int(state_ver) == self.state_ver:  # the script found this view current
             self._current()
             self._stale = False
+        else:  # a refusal to a view far behind ('~' token): how far it is now
+            self.seen_state_ver = max(self.seen_state_ver, int(state_ver))
         if live is not None and live is not False:
             self.live_mono = self.clock_mono
             new_live = as_bytes(live)

@@ -14,7 +14,9 @@
 -- ARGV[8] = lease_ms: 0 when the node believes it holds a lease (it must: a node
 --   whose lease expired may have been reaped and must re-assert first); > 0 when the
 --   node never held one: a missing lease is then created with this length (ms)
--- ARGV[9] = the caller's view: '<run_id>:<state_ver>' of the `state` it holds, or ''
+-- ARGV[9] = the caller's view: '<run_id>:<state_ver>' of the `state` it holds, or '';
+--   prefixed '~' when the caller ranks a random sample (its view is a change per
+--   instance behind) and its `state` is large: a refusal then brings no state
 -- ARGV[10] = n, the number of candidates
 -- ARGV[11] = ties: the first `ties` candidates tie for best in the caller's ranking.
 --   The walk visits them in slot order, from the first slot after the one the pool's
@@ -67,7 +69,9 @@
 --     when it was at state_ver - 1: a view behind catches up by itself, at a rate
 --     the caller bounds, not in every reply);
 --   - any other status: the whole `state` at state_ver, so the caller decides again
---     on fresh rows; or false (slot -1) when ARGV[9] names the pool's state_ver,
+--     on fresh rows; or false (slot -1) when ARGV[9] names the pool's state_ver
+--     or starts with '~' (the caller's next sample reads fresh counters here anyway,
+--     and its whole reads go outside Lua: read_state),
 --     since the caller holds it already
 local rid, node = ARGV[1], ARGV[2]
 if not valid_id(rid) then return fail('bad_arg', 'rid') end
@@ -311,7 +315,10 @@ local function view(patch)
   if patch then return {run, spec_gen, now, false, false, patch[1], patch[2], patch[3]} end
   local state_ver = pool_counts().ver
   -- The caller holds this state already (it applies the carried changes itself).
-  if ARGV[9] == run .. ':' .. (state_ver - bumps) then
+  local token = ARGV[9]
+  local lean = string.byte(token, 1) == 126  -- '~'
+  if lean then token = string.sub(token, 2) end
+  if lean or token == run .. ':' .. (state_ver - bumps) then
     return {run, spec_gen, now, false, false, state_ver, -1, ''}
   end
   return {run, spec_gen, now, redis.call('GET', K_STATE) or '', false, state_ver, -1, ''}

@@ -195,6 +195,38 @@ async def test_a_current_view_gets_only_the_changed_records(
     await assert_view_is_current(a, make_coordinator)
 
 
+async def test_a_refusal_to_a_view_far_behind_brings_no_large_state(
+    make_coordinator: MakeCoordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node whose view missed a change per instance sends its view token with '~'
+    once its state is over LEAN_STATE_BYTES (0 here; 4 KB by default, where the test
+    above gets the whole state): a refused reserve then brings no whole state (copying
+    it through Lua costs more than the sampled retry it would serve), only how far
+    behind the view is now."""
+    monkeypatch.setattr("coordinator.coordinator.LEAN_STATE_BYTES", 0)
+    a, b = await two_nodes(make_coordinator)
+    await a.refresh()
+    allowed = sorted(a._cache.rows)[:10]
+    others = set(a._cache.rows) - set(allowed)
+    # b puts 3 on each allowed instance, and 20 more elsewhere that it releases: 70
+    # changes a has not seen; the mean stays below 1.
+    taken = [await b.reserve(100, 10, exclude=others) for _ in range(3 * len(allowed))]
+    passing = [await b.reserve(100, 10, exclude=allowed) for _ in range(20)]
+    for res in passing:
+        await b.release(res.rid)
+    taken.append(await a.reserve(100, 10, exclude=allowed))  # its reply: how far behind
+    assert a._cache.missed_changes >= POOL_SIZE
+    replies = spy_replies(a)
+    taken.append(await a.reserve(100, 10, exclude=others))
+    refusals = [reply for name, reply in replies if name == "reserve" and reply[0] != "ok"]
+    assert refusals and all(reply[0] == "stale" for reply in refusals)
+    assert all(reply[-1][3] is None for reply in refusals), "no whole state"
+    ver = int(await a.redis.hget(a.keys.column("meta"), "state_ver"))
+    assert a._cache.seen_state_ver == ver
+    for res in taken:
+        await b.release(res.rid)
+
+
 async def test_a_view_far_behind_ranks_a_random_sample(
     make_coordinator: MakeCoordinator,
 ) -> None:
