@@ -316,7 +316,7 @@ def replay(
     of its calls whose status equals the recording's."""
     from redis import Redis as SyncRedis
 
-    from coordinator.coordinator import read_state_gets
+    from bench.replay import call_replies, queue_call
 
     client = SyncRedis(port=server.port)
     try:
@@ -338,12 +338,8 @@ def replay(
                 for kind, name, keys, args in calls[at : at + PIPELINE]:
                     if kind == "hmget":
                         pipe.hmget(keys[0], args)
-                    elif name == "read_state":  # its transaction, with the GETs after
-                        pipe.evalsha(sha[name], len(keys), *keys)
-                        for key in read_state_gets(keys, args):
-                            pipe.get(key)
                     else:
-                        pipe.evalsha(sha[name], len(keys), *keys, *args)
+                        queue_call(pipe, sha[name], name, keys, args)
                 replies.extend(pipe.execute(raise_on_error=False))
 
         total = server.instructions(run)
@@ -351,14 +347,12 @@ def replay(
             client.eval("return 1", 0)
     finally:
         client.close()
-    answers = iter(replies)
-    statuses = []
-    for kind, name, keys, args in calls:
-        reply = next(answers)
-        if name == "read_state":
-            for _ in read_state_gets(keys, args):
-                next(answers)
-        statuses.append(sum(v is not None for v in reply) if kind == "hmget" else status_of(reply))
+    statuses = [
+        sum(v is not None for v in reply) if kind == "hmget" else status_of(reply)
+        for (kind, _, _, _), reply in zip(
+            calls, call_replies([c[1:] for c in calls], replies), strict=True
+        )
+    ]
     same = sum(a == b for a, b in zip(statuses, recorded["statuses"], strict=True))
     return {
         "per_request": total / recorded["requests"],

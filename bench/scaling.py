@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.docs import add_write_docs  # noqa: E402
+from bench.replay import call_replies, queue_call  # noqa: E402
 from coordinator import Coordinator, InstanceSpec, Settings  # noqa: E402
 from coordinator.connection import connect_redis  # noqa: E402
 from coordinator.coordinator import (  # noqa: E402
@@ -44,7 +45,6 @@ from coordinator.coordinator import (  # noqa: E402
     SWEEP_STEP,
     TIMING_STEP,
     LocalReservation,
-    read_state_gets,
 )
 from coordinator.keys import COLUMNS, PoolKeys  # noqa: E402
 from coordinator.outliers import OutlierPolicy  # noqa: E402
@@ -247,22 +247,11 @@ class Recorder:
         for at in range(0, len(self.calls), batch):
             pipe = client.pipeline(transaction=False)
             for name, keys, args in self.calls[at : at + batch]:
-                if name == "read_state":  # its transaction, with the GETs after
-                    pipe.evalsha(sha[name], len(keys), *keys)
-                    for key in read_state_gets(keys, args):
-                        pipe.get(key)
-                else:
-                    pipe.evalsha(sha[name], len(keys), *keys, *args)
+                queue_call(pipe, sha[name], name, keys, args)
             replies += pipe.execute(raise_on_error=False)
         d = diff(server_counters(client), before)
         client.close()
-        answers = iter(replies)
-        replies = []
-        for name, keys, args in self.calls:
-            replies.append(next(answers))
-            if name == "read_state":
-                for _ in read_state_gets(keys, args):
-                    next(answers)
+        replies = call_replies(self.calls, replies)
         same = sum(status_of(r) == s for r, s in zip(replies, self.statuses, strict=True))
         return {**d, "same": same / max(1, len(replies))}
 
