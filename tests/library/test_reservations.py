@@ -6,6 +6,8 @@ import asyncio
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from coordinator import (
     EpochFencedError,
@@ -15,7 +17,7 @@ from coordinator import (
     ScriptArgumentError,
     UnknownInstanceError,
 )
-from coordinator.packed import NO_SLOT, pack_candidate
+from coordinator.packed import CANDIDATE_FIELDS, NO_SLOT, _digits, pack_candidate
 from coordinator.settings import Weights
 from tests.conftest import MakeCoordinator
 from tests.helpers import assert_counters_match_reservations, counters, live_reservations, spec
@@ -499,6 +501,18 @@ def test_candidate_bounds_pack_as_base_128_digits() -> None:
     for slot in (-1, NO_SLOT, 128**3):
         assert pack_candidate(slot, 0, 0, 0, 0, 0)[:3] == b"\x7f\x7f\x7f"
     assert pack_candidate(0, 0, 0, 128**3, 0, 0)[11:14] == b"\x7f\x7f\x7f"
+
+
+@given(
+    st.integers(-2, 2 * NO_SLOT),
+    st.lists(st.integers(-(2**70), 2**70) | st.integers(0, 300), min_size=5, max_size=5),
+)
+def test_candidate_bounds_are_each_field_in_its_digits(slot: int, values: list[int]) -> None:
+    """The shift-and-mask packing equals the plain one: each field saturated to its
+    width and written digit by digit (what lua/reserve.lua reads back)."""
+    fields = [slot if 0 <= slot < NO_SLOT else NO_SLOT, *values]
+    plain = b"".join(_digits(v, w) for v, w in zip(fields, CANDIDATE_FIELDS, strict=True))
+    assert pack_candidate(slot, *values) == plain
 
 
 @pytest.mark.parametrize("backend", ["real"])  # counts the real server's own commands
