@@ -1321,10 +1321,9 @@ def flatness_reason(r: Results, n: int, metric: str, each_key: str, label: str) 
         f"{top} ({one['commands_per_req'] / one['calls_per_req']:.0f} and "
         f"{many['commands_per_req'] / many['calls_per_req']:.0f} commands per call): a "
         "`reserve` whose view is many changes behind finds its first candidates busier "
-        "than their bounds and examines more of them (one HMGET each of the others' "
-        "liveness, slots and max_slots, on a pool of up to 128 instances a listpack that "
-        "HMGET scans once per field, and their records in one read where their slots lie "
-        "close together, else one read each).",
+        "than their bounds and examines more of them (their `state` records in one read "
+        "where their slots lie close together, else one read each, and the `live` record "
+        "of each one it would keep).",
         "",
     ]
 
