@@ -155,11 +155,14 @@ class Stats:
 READ_STATE_VIEW = 6
 
 
+_STATE_KEY, _LIVE_KEY = COLUMNS.index("state"), COLUMNS.index("live")
+
+
 def read_state_gets(keys: list[Any], args: list[Any]) -> list[Any]:
     """The keys a `read_state` call reads by GET after the script, in its MULTI/EXEC:
     `state`, and `live` when its one argument is true (Coordinator._read_state)."""
-    state, live = keys[COLUMNS.index("state")], keys[COLUMNS.index("live")]
-    return [state, live] if args and int(args[0]) else [state]
+    state = keys[_STATE_KEY]
+    return [state, keys[_LIVE_KEY]] if args and int(args[0]) else [state]
 
 
 class Coordinator:

@@ -81,7 +81,7 @@ NO_SLOT = 128**3 - 1  # a candidate's slot the node does not know
 # decode_ms, max inflight, max pending_prefill, max prefill_free_at (digits each).
 CANDIDATE_FIELDS = (3, 4, 4, 3, 3, 6)
 CANDIDATE_BYTES = sum(CANDIDATE_FIELDS)
-_CAP3, _CAP4, _CAP6 = 128**3 - 1, 128**4 - 1, 128**6 - 1  # the largest 3, 4, 6 digits
+_CAPS = tuple(128**w - 1 for w in CANDIDATE_FIELDS[1:])  # each field after the slot, saturated
 
 
 def pack_candidate(
@@ -99,12 +99,8 @@ def pack_candidate(
     # 2 and 1 where k has that bit): no loop over digits, for every candidate of
     # every request.
     n = slot
-    for value, cap in (
-        (prefill_ms, _CAP4),
-        (decode_ms, _CAP4),
-        (max_inflight, _CAP3),
-        (max_pending, _CAP3),
-        (max_free_at, _CAP6),
+    for value, cap in zip(
+        (prefill_ms, decode_ms, max_inflight, max_pending, max_free_at), _CAPS, strict=True
     ):
         n = n << cap.bit_length() | (cap if value > cap else value if value > 0 else 0)
     for step, mask in _SPREAD:

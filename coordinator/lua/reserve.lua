@@ -133,13 +133,13 @@ local trusted = ARGV[12] ~= '' and p0.run and ARGV[12] == p0.run .. ':' .. p0.sp
 -- sent, every candidate's slot is read here, once (false: not registered).
 local order, slots = {}, nil
 if ties >= 2 then
-  local tied, slot_of = {}, {}
+  local tied, slot_of, unknown = {}, {}, false
   for i = 1, ties do
     tied[i] = i
     slot_of[i] = sent_slot(i)
-    if slot_of[i] == nil then slots = true end
+    if slot_of[i] == nil then unknown = true end
   end
-  if slots then
+  if unknown then
     local ids = {}
     for i = 1, n do ids[i] = ARGV[G + 2 * i - 1] end
     slots = redis.call('HMGET', K_SLOT, unpack(ids))
@@ -217,6 +217,14 @@ local function alive(slot, since)
   return seen > 0 and seen >= since
 end
 
+-- A candidate the walk keeps (the least busy so far, or the soonest start): its
+-- index, slot, predictions, live reservations and state fields (adopt_state's order).
+local function kept_candidate(i, slot, prefill_ms, decode_ms, pending, decode, free_at,
+    earliest, pending_ms)
+  return {i = i, slot = slot, prefill_ms = prefill_ms, decode_ms = decode_ms,
+    inflight = pending + decode, state = {pending, decode, free_at, earliest, pending_ms}}
+end
+
 local m, err = 0, nil
 if #ARGV > G + 2 * n then
   m, err = carried_count(G + 2 * n + 1)
@@ -274,15 +282,15 @@ if leased or lease_ms > 0 then
           -- A table only for a candidate the walk keeps (most are passed over).
           local kept = nil
           if lesser then
-            kept = {i = i, slot = slot, prefill_ms = prefill_ms, decode_ms = decode_ms,
-              inflight = inflight, state = {pending, decode, free_at, earliest, pending_ms}}
+            kept = kept_candidate(i, slot, prefill_ms, decode_ms, pending, decode, free_at,
+              earliest, pending_ms)
             least = kept
           end
           if fits then
             local ttft = math.max(now, free_at) + prefill_ms
             if timed == nil or ttft < timed_ttft then
-              timed = kept or {i = i, slot = slot, prefill_ms = prefill_ms, decode_ms = decode_ms,
-                inflight = inflight, state = {pending, decode, free_at, earliest, pending_ms}}
+              timed = kept or kept_candidate(i, slot, prefill_ms, decode_ms, pending, decode,
+                free_at, earliest, pending_ms)
               timed_ttft = ttft
             end
             if max_free_at == 0 or free_at <= math.max(now, max_free_at) then break end
