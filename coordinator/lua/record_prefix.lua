@@ -39,7 +39,9 @@ local K_OWNERS, K_LRU = KEYS[17], KEYS[18]
 -- once per field. One literal: Lua 5.1 would join two on every call.
 local ABOUT = 'prefix index: block hash -> "<id>|<epoch>|<stamp>|<weight>" owners, newest last (coordinator/lua/record_prefix.lua); no prompt text'
 local RECLAIM_BUDGET = 256  -- void entries one call may delete
-local EVICT_BATCH = 16  -- lru entries one eviction step reads
+local EVICT_BATCH = 16  -- lru entries one eviction step reads, at most
+-- Numbers become text without Lua's tostring (a C sprintf of '%.14g', the costliest
+-- step of a call): the epoch, stamps and weights stay the text they arrived as.
 local id = ARGV[1]
 if not valid_id(id) then return fail('bad_arg', 'instance id') end
 local capacity = int_arg(ARGV[2], 1e9)
@@ -50,53 +52,79 @@ if ARGV[4] ~= '0' and ARGV[4] ~= '1' then return fail('bad_arg', 'sample must be
 local n = (#ARGV - 4) / 2
 if n ~= math.floor(n) then return fail('bad_arg', 'block hashes and weights come in pairs') end
 if n > 512 then return fail('bad_arg', 'at most 512 block hashes') end
-local hashes, weights = {}, {}
+local hashes, weights, weight_texts = {}, {}, {}
 for i = 1, n do
   local hash = ARGV[3 + 2 * i]
   if #hash < 1 or #hash > 64 then return fail('bad_arg', 'block hash ' .. i) end
   hashes[i] = hash
-  weights[i] = int_arg(ARGV[4 + 2 * i], 512)
+  local text = ARGV[4 + 2 * i]
+  weights[i] = int_arg(text, 512)
   if weights[i] == nil then return fail('bad_arg', 'weight ' .. i) end
+  -- the text as written: canonical digits as sent, else the number's own
+  if not string.find(text, '^[1-9]%d?%d?$') then text = tostring(weights[i]) end
+  weight_texts[i] = text
 end
 if not string.find(table.concat(hashes), '^[0-9a-f]*$') then  -- one match for all
   return fail('bad_arg', 'block hashes are [0-9a-f]+')
 end
+-- The epoch as text: HINCRBY writes canonical digits, which the entries repeat.
 local epoch = redis.call('HGET', K_EPOCH, id)
 if not epoch then return {'gone'} end
-epoch = tonumber(epoch)
 
 local unpack = table.unpack or unpack
-local stem = id .. '#' .. string.format('%010d', epoch)
+local floor = math.floor
+
+-- Digits zero-padded to `width` (never cut: a longer number keeps its digits).
+local function pad(digits, width)
+  return string.rep('0', width - #digits) .. digits
+end
+local stem = id .. '#' .. pad(epoch, 10)
 
 -- An owners entry "<id>|<epoch>|<stamp>[|<weight>]" as {id, epoch, stamp, weight,
--- written before weights}. Entries from before weights were never counted: weight 0.
+-- written before weights, weight as text}, the numbers as text but the weight (plain
+-- finds: ids have no '|'). Entries from before weights were never counted: weight 0.
 local function entry_of(text)
-  local o, e, stamp, w = string.match(text, '^([^|]*)|(%d+)|(%d+)|(%d+)$')
-  if o then return {o, tonumber(e), tonumber(stamp), tonumber(w), false} end
-  o, e, stamp = string.match(text, '^([^|]*)|(%d+)|(%d+)$')
-  return {o, tonumber(e), tonumber(stamp), 0, true}
+  local a = string.find(text, '|', 1, true)
+  local b = a and string.find(text, '|', a + 1, true)
+  if not b then return {nil, nil, nil, 0, true, '0'} end  -- not an entry: no owner
+  local c = string.find(text, '|', b + 1, true)
+  local o, e = string.sub(text, 1, a - 1), string.sub(text, a + 1, b - 1)
+  if c then
+    local w = string.sub(text, c + 1)
+    return {o, e, string.sub(text, b + 1, c - 1), tonumber(w), false, w}
+  end
+  return {o, e, string.sub(text, b + 1), 0, true, '0'}
 end
 
 local function stem_of(owner, e)
-  return owner .. '#' .. string.format('%010d', e)
+  return owner .. '#' .. pad(e, 10)
 end
 
 -- The lru member of an owners entry of `hash`.
 local function member_of(entry, hash)
-  local weight = entry[5] and '' or entry[4] .. '|'
-  return stem_of(entry[1], entry[2]) .. '|' .. string.format('%017d', entry[3]) .. '|'
-    .. weight .. hash
+  local weight = entry[5] and '' or entry[6] .. '|'
+  return stem_of(entry[1], entry[2]) .. '|' .. pad(entry[3], 17) .. '|' .. weight .. hash
 end
 
 -- An lru member as {stem, owners entry prefix "<id>|<epoch>|", weight, hash} (ids
 -- have no '#' or '|'; the epoch as the owners entries write it, without padding).
+-- Plain finds: "<id>#<epoch>|<stamp>|<weight>|<hash>", or without the weight when
+-- written before weights (never counted: weight 0).
 local function parse_member(m)
-  local owner, e, w, hash = string.match(m, '^([^#]*)#(%d+)|%d+|(%d+)|(%x+)$')
-  if not owner then  -- written before weights: never counted
-    owner, e, hash = string.match(m, '^([^#]*)#(%d+)|%d+|(.*)$')
-    w = 0
+  local sharp = string.find(m, '#', 1, true)
+  local a = string.find(m, '|', sharp + 1, true)
+  local b = string.find(m, '|', a + 1, true)
+  local c = string.find(m, '|', b + 1, true)
+  local owner, e = string.sub(m, 1, sharp - 1), string.sub(m, sharp + 1, a - 1)
+  local w, hash = 0, nil
+  if c then
+    w, hash = tonumber(string.sub(m, b + 1, c - 1)), string.sub(m, c + 1)
+  else
+    hash = string.sub(m, b + 1)
   end
-  return {owner .. '#' .. e, owner .. '|' .. tonumber(e) .. '|', tonumber(w), hash}
+  local digit = string.find(e, '[1-9]')
+  local unpadded = digit and string.sub(e, digit) or '0'
+  return {string.sub(m, 1, a - 1), owner .. '|' .. unpadded .. '|', w, hash}
 end
 
 -- Changes to the owners hash, written at the end in one HSET (and one HDEL): field ->
@@ -175,15 +203,18 @@ if capacity > 0 and n > 0 then
     values['#about'] = ABOUT
   end
   local call = (tonumber(values['#calls']) or 0) + 1
-  values['#calls'] = call
+  local call_text = tostring(call)
+  values['#calls'] = call_text
   -- stamp = call * 1000 + 999 - (i - 1): with at most 512 entries its last three
   -- digits are 488..999, so the padded stamp is the padded call and those digits.
-  local call_pad, call_text = string.format('%014d', call), tostring(call)
+  local call_pad = pad(call_text, 14)
   local stale, adds = {}, {}
   local mark = id .. '|'
   local head = mark .. epoch .. '|'
   for i, hash in ipairs(hashes) do
-    local last, weight = tostring(1000 - i), weights[i]
+    local d = 1000 - i  -- three digits, 488..999
+    local last = string.char(48 + floor(d / 100), 48 + floor(d / 10) % 10, 48 + d % 10)
+    local weight, weight_text = weights[i], weight_texts[i]
     local list, kept = values[hash], ''
     if list ~= '' then
       local others, count, first = {}, 0, 1
@@ -191,7 +222,7 @@ if capacity > 0 and n > 0 then
         local e = string.sub(text, 1, #mark) == mark and entry_of(text)
         if e and e[1] == id then  -- this instance's older entry (any epoch): replaced
           stale[#stale + 1] = member_of(e, hash)
-          if weight == 0 and e[2] == epoch then weight = e[4] end
+          if weight == 0 and e[2] == epoch then weight, weight_text = e[4], e[6] end
           add_count(stem_of(id, e[2]), -e[4])
         else
           count = count + 1
@@ -206,11 +237,11 @@ if capacity > 0 and n > 0 then
       end
       if first <= count then kept = table.concat(others, ' ', first) .. ' ' end
     end
-    if weight == 0 then weight = 1 end
+    if weight == 0 then weight, weight_text = 1, '1' end
     add_count(stem, weight)
-    values[hash] = kept .. head .. call_text .. last .. '|' .. weight
+    values[hash] = kept .. head .. call_text .. last .. '|' .. weight_text
     adds[#adds + 1] = '0'  -- a string: Redis would format a number
-    adds[#adds + 1] = stem .. '|' .. call_pad .. last .. '|' .. weight .. '|' .. hash
+    adds[#adds + 1] = stem .. '|' .. call_pad .. last .. '|' .. weight_text .. '|' .. hash
   end
   if #stale > 0 then redis.call('ZREM', K_LRU, unpack(stale)) end
   redis.call('ZADD', K_LRU, unpack(adds))
@@ -222,10 +253,12 @@ end
 if values[stem] == nil then load({stem}) end
 local over = (tonumber(values[stem]) or 0) - capacity
 local evicted = 0
-if over > math.min(16, math.floor(capacity / 8)) then
+if over > math.min(16, floor(capacity / 8)) then
   local lo, hi = '[' .. stem .. '|', '(' .. stem .. '}'
   while over > 0 and evicted < 1024 do
-    local batch = redis.call('ZRANGEBYLEX', K_LRU, lo, hi, 'LIMIT', 0, EVICT_BATCH)
+    -- entries weigh a stride of blocks or so: read about as many as `over` needs
+    local limit = math.min(EVICT_BATCH, floor(over / 4) + 1)
+    local batch = redis.call('ZRANGEBYLEX', K_LRU, lo, hi, 'LIMIT', 0, limit)
     if #batch == 0 then  -- the count drifted above what is stored: trust the store
       values[stem] = 0
       break
