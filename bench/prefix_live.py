@@ -35,8 +35,9 @@ class TurnsResult:
     turns: int
     follow_ups: int  # turns after the first of their conversation
     same_instance: int  # follow-ups served by their previous turn's instance
-    per_instance: dict[str, int]
+    per_instance: dict[str, int]  # instances that served none are absent
     failed: int
+    instances: int  # in the fleet, idle or not
 
     @property
     def stickiness(self) -> float:
@@ -45,9 +46,16 @@ class TurnsResult:
 
     @property
     def busiest_over_mean(self) -> float:
-        """Requests of the busiest instance / the mean over instances."""
+        """Requests of the busiest instance / the mean over the fleet's instances
+        (those that served nothing count, with 0)."""
         counts = list(self.per_instance.values())
-        return max(counts) / (sum(counts) / len(counts)) if counts else float("nan")
+        return max(counts) / (sum(counts) / self.instances) if counts else float("nan")
+
+    @property
+    def counts_text(self) -> str:
+        """Requests per instance, idle instances as 0s."""
+        idle = [0] * max(0, self.instances - len(self.per_instance))
+        return " / ".join(map(str, [*self.per_instance.values(), *idle]))
 
 
 def _system_prompt(rng: random.Random, chars: int) -> str:
@@ -60,15 +68,13 @@ async def _conversation(
     urls: list[str],
     index: int,
     turns: int,
-    system_chars: int,
+    system: str,
     think_s: float,
     seen: list[tuple[int, int, str]],
 ) -> int:
     """One conversation, turn after turn, each through the next node; failures."""
     rng = random.Random(index)
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": _system_prompt(rng, system_chars)}
-    ]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
     failed = 0
     for turn in range(turns):
         messages.append({"role": "user", "content": f"question {turn} of chat {index}: " * 20})
@@ -87,19 +93,26 @@ async def _conversation(
 
 async def follow_up_turns(
     node_urls: list[str],
+    instances: int,
     *,
     conversations: int = 24,
     turns: int = 4,
     system_chars: int = 16_000,
+    shared_system: bool = False,
     think_s: float = 1.0,
 ) -> TurnsResult:
-    """Run the conversations concurrently (staggered starts); where did the turns go."""
+    """Run the conversations concurrently (staggered starts); where did the turns go.
+
+    Each conversation has a system prompt of its own, or with `shared_system` all have
+    the same one (a popular prefix: every first turn finds it cached somewhere)."""
     seen: list[tuple[int, int, str]] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
 
         async def started(i: int) -> int:
             await asyncio.sleep(i * think_s / 4)
-            return await _conversation(session, node_urls, i, turns, system_chars, think_s, seen)
+            rng = random.Random(-1 if shared_system else i)
+            system = _system_prompt(rng, system_chars)
+            return await _conversation(session, node_urls, i, turns, system, think_s, seen)
 
         failures = await asyncio.gather(*(started(i) for i in range(conversations)))
     where = {(c, t): iid for c, t, iid in seen}
@@ -112,6 +125,7 @@ async def follow_up_turns(
         same,
         dict(sorted(Counter(where.values()).items())),
         sum(failures),
+        instances,
     )
 
 
