@@ -54,7 +54,7 @@ from coordinator.models import (
 )
 from coordinator.outliers import Outcome, OutlierPolicy, OutlierView, parse_outliers
 from coordinator.packed import NO_SLOT, as_text, pack_candidate
-from coordinator.prefix import guarded_cached_tokens
+from coordinator.prefix import guarded_cached_tokens, hot_capacity
 from coordinator.prefix_index import PrefixIndex
 from coordinator.pressure import instance_load
 from coordinator.scripts import Scripts
@@ -803,8 +803,22 @@ class Coordinator:
         )
         if floor is None:
             return request
+        capacity = None
+        routes = self.prefix.routes
+        now_ms = time.monotonic() * 1000
+        if getattr(request.cached_tokens, "hot", None):
+            alive = self._columns_view.alive_mixed(
+                self._cache, self._cache.estimated_now_ms(), self.settings.instance_ttl_ms
+            )
+            capacity = hot_capacity(routes.total(now_ms), alive, self.settings.prefix_hot_load_pct)
         cached = guarded_cached_tokens(
-            request.cached_tokens, backlogs.get, floor, guard_ms, self.settings.prefix_hot_guard_ms
+            request.cached_tokens,
+            backlogs.get,
+            floor,
+            guard_ms,
+            self.settings.prefix_hot_guard_ms,
+            lambda iid: routes.count(iid, now_ms),
+            capacity,
         )
         return replace(request, cached_tokens=cached)
 

@@ -322,6 +322,13 @@ class ColumnarPool:
                 out[iid] = float(backlog[i])
         return floor, out
 
+    def alive_mixed(self, cache: PoolCache, now: int, instance_ttl_ms: int) -> int:
+        """How many alive mixed instances the view has: the instances the bounded-loads
+        rule for hot prefixes shares requests among (coordinator/prefix.py)."""
+        self.sync(cache)
+        mask = (now - self._cols["last_seen"] <= instance_ttl_ms) & self._mixed
+        return int(mask.sum())
+
     def _prefill_ms(self, request: RequestShape) -> Floats:
         """InstanceSpec.prefill_ms of each row's uncached prompt, as a column (kept for
         the last prompt size until a timing model changes)."""

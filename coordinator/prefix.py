@@ -19,6 +19,7 @@ prompt against the index (docs/security.md). No text is kept.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -130,22 +131,18 @@ class CachedTokens(dict[str, int]):
         self.hot: frozenset[str] = frozenset(hot)
 
 
-class HotPrefixes:
-    """The block hashes one node routed recently: what makes a prefix popular *now*.
-
-    Two generations of sets, each `window_ms` long at most (and at most `max_size`
-    hashes): a hash noted in the current or the previous one is hot, so a hash stays
-    hot between `window_ms` and twice that after it was last routed. Node-local and
-    approximate on purpose: a popular prefix reaches every node behind the balancer
-    within the window, while a conversation's next turn usually comes long after its
-    last one, or through another node.
-    """
+class RecentCounts:
+    """How often one node saw each key lately: two generations of counts, each
+    `window_ms` long at most (and at most `max_size` keys), so a key counts from
+    `window_ms` to twice that after it was seen. Node-local and approximate on purpose.
+    A `window_ms` of 0 or less counts nothing."""
 
     def __init__(self, window_ms: float, max_size: int = 65_536) -> None:
         self.window_ms = window_ms
         self.max_size = max_size
-        self._current: set[Hashable] = set()
-        self._previous: set[Hashable] = set()
+        self._current: dict[Hashable, int] = {}
+        self._previous: dict[Hashable, int] = {}
+        self._totals = [0, 0]  # current, previous
         self._started_ms: float | None = None
 
     def _age(self, now_ms: float) -> None:
@@ -153,25 +150,51 @@ class HotPrefixes:
             self._started_ms = now_ms
         elapsed = now_ms - self._started_ms
         if elapsed >= 2 * self.window_ms:
-            self._current, self._previous = set(), set()
+            self._current, self._previous, self._totals = {}, {}, [0, 0]
             self._started_ms = now_ms
         elif elapsed >= self.window_ms or len(self._current) >= self.max_size:
-            self._current, self._previous = set(), self._current
+            self._current, self._previous = {}, self._current
+            self._totals = [0, self._totals[0]]
             self._started_ms = now_ms
 
-    def note(self, hashes: Iterable[Hashable], now_ms: float) -> None:
-        """This node routed a request with these blocks at `now_ms`."""
+    def note(self, keys: Iterable[Hashable], now_ms: float) -> None:
+        """Count each of `keys` once at `now_ms`."""
         if self.window_ms <= 0:
             return
         self._age(now_ms)
-        self._current.update(hashes)
+        current = self._current
+        for key in keys:
+            current[key] = current.get(key, 0) + 1
+            self._totals[0] += 1
+
+    def count(self, key: Hashable, now_ms: float) -> int:
+        """How often `key` was seen within the window."""
+        if self.window_ms <= 0:
+            return 0
+        self._age(now_ms)
+        return self._current.get(key, 0) + self._previous.get(key, 0)
+
+    def total(self, now_ms: float) -> int:
+        """How many keys were seen within the window."""
+        if self.window_ms <= 0:
+            return 0
+        self._age(now_ms)
+        return self._totals[0] + self._totals[1]
+
+
+class HotPrefixes(RecentCounts):
+    """The block hashes one node routed recently: what makes a prefix popular *now*.
+
+    A hash is hot once the node routed it at least twice within the window. Twice, not
+    once: a conversation's next turn is credited with the deepest block of its previous
+    turn, which one request routed, while a shared system prompt or document is routed
+    by request after request. A popular prefix reaches every node behind the balancer
+    within the window.
+    """
 
     def is_hot(self, block: Hashable, now_ms: float) -> bool:
-        """Whether this node routed a request holding `block` within the window."""
-        if self.window_ms <= 0:
-            return False
-        self._age(now_ms)
-        return block in self._current or block in self._previous
+        """Whether this node routed requests holding `block` twice within the window."""
+        return self.count(block, now_ms) >= 2
 
 
 def hot_instances(
@@ -183,12 +206,26 @@ def hot_instances(
     }
 
 
+def hot_capacity(routed: float, instances: int, load_pct: int) -> int | None:
+    """Requests a node may have routed lately to an instance for it to keep a hot
+    prefix's credit: the bounded-loads rule of consistent hashing (Mirrokni, Thorup,
+    Zadimoghaddam 2018), load_pct/100 x (`routed` requests + this one) / `instances`,
+    rounded down but at least 1: with the few requests a lightly loaded node routes
+    in a window, rounding up would let a holder take twice its share. None when
+    `load_pct` is 0 (off) or no instance is known."""
+    if load_pct <= 0 or instances <= 0:
+        return None
+    return max(1, math.floor(load_pct * (routed + 1) / (100 * instances)))
+
+
 def guarded_cached_tokens(
     cached: Mapping[str, int],
     backlog_of: Callable[[str], float | None],
     floor_backlog_ms: float,
     guard_ms: int,
     hot_guard_ms: int = 0,
+    routed_of: Callable[[str], float | None] | None = None,
+    hot_capacity: int | None = None,
 ) -> dict[str, int]:
     """The hot-spot guard: cache credit fades as an instance gets busier than the least
     busy candidate, and is gone once it is `guard_ms` of backlog ahead (`hot_guard_ms`
@@ -212,6 +249,16 @@ def guarded_cached_tokens(
     `guard_ms` = 0 turns the guard off (no credit is ever faded); `hot_guard_ms` = 0
     leaves hot prefixes to `guard_ms`. An instance without a known backlog keeps no
     credit.
+
+    Backlog alone does not spread a popular prefix while the fleet is lightly loaded:
+    a shared system prompt's holder stays within any backlog distance of the idlest
+    instance (and has few requests in flight), and takes every conversation's first
+    turn while the others idle. So a hot prefix's credit also needs room under
+    `hot_capacity` (`hot_capacity()`, the bounded-loads rule) for the requests this
+    node routed there lately (`routed_of`, a `RecentCounts` over the hot window): at
+    most that many with this one. A holder over it loses the credit, the request goes
+    where the load is, and that instance holds the prefix from then on.
+    Conversations' next turns are not hot (`HotPrefixes`) and keep their holder.
     """
     if guard_ms <= 0:
         return dict(cached)
@@ -223,6 +270,10 @@ def guarded_cached_tokens(
         backlog = backlog_of(iid)
         if backlog is None:
             continue
+        if iid in hot and hot_capacity is not None and routed_of is not None:
+            routed = routed_of(iid)
+            if routed is None or routed + 1 > hot_capacity:
+                continue
         distance = hot_guard_ms if iid in hot and hot_guard_ms > 0 else guard_ms
         share = 1.0 - max(0, backlog - floor_backlog_ms) / distance
         if share > 0:

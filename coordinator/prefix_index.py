@@ -21,6 +21,7 @@ from coordinator.keys import PoolKeys
 from coordinator.prefix import (
     CachedTokens,
     HotPrefixes,
+    RecentCounts,
     block_hashes,
     block_tokens,
     cached_blocks,
@@ -63,8 +64,10 @@ class PrefixIndex:
         # (numbers only), for /debug/instance_loads and the dashboard.
         self.last_lookup: dict[str, int] = {}
         self._records = 0
-        # The prefixes this node routed moments ago: only those are hot-spot guarded.
+        # The prefixes this node routed moments ago: only those are hot-spot guarded,
+        # and the instances it routed to then (the bounded-loads rule's counts).
         self.hot = HotPrefixes(settings.prefix_hot_ms)
+        self.routes = RecentCounts(settings.prefix_hot_ms)
 
     @property
     def enabled(self) -> bool:
@@ -114,6 +117,14 @@ class PrefixIndex:
             for (iid, _), n in zip(instances, counts, strict=True)
         }
 
+    def routed(self, instance_id: str, hashes: Sequence[str]) -> None:
+        """Note at once (before the next decision) that this node routed a request with
+        these blocks to `instance_id`: what makes a prefix hot, and the counts of the
+        hot-spot guard's bounded loads (coordinator/prefix.py)."""
+        now_ms = time.monotonic() * 1000
+        self.routes.note((instance_id,), now_ms)
+        self.hot.note(hashes, now_ms)
+
     async def record(self, instance_id: str, hashes: Sequence[str], held_tokens: int = 0) -> None:
         """Record that `instance_id` now holds these blocks (best effort).
 
@@ -126,7 +137,6 @@ class PrefixIndex:
         """
         if not hashes:
             return
-        self.hot.note(hashes, time.monotonic() * 1000)
         held = held_tokens // self.block_tokens
         entries = recorded_entries(len(hashes), held, self._settings.prefix_record_stride)
         capacity = self._capacity_tokens(instance_id)

@@ -135,6 +135,9 @@ class Settings:
     prefix_guard_ms: int = 10_000  # cache credit fades over this much extra backlog; 0 = off
     prefix_hot_guard_ms: int = 3_000  # the same for a hot prefix (0: prefix_guard_ms)
     prefix_hot_ms: int = 3_000  # a prefix this node routed this recently is hot; 0 = none
+    # A hot prefix's credit only on instances with fewer requests in flight than this
+    # percentage of the mean (bounded loads); 0 = off.
+    prefix_hot_load_pct: int = 125
     # Learned timing (coordinator/timing.py; README "Prediction sources").
     timing_flush_ms: int = 2_000  # how often a node merges its samples and reads the pool's
     timing_flush_nodes: int = 8  # beyond this many live nodes each merges less often
@@ -196,10 +199,13 @@ class Settings:
             ("prefix_guard_ms", 0, 86_400_000),
             ("prefix_hot_guard_ms", 0, 86_400_000),
             ("prefix_hot_ms", 0, 86_400_000),
+            ("prefix_hot_load_pct", 0, 1_000),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise InvalidArgumentError(f"{name} must be an integer in {low}..{high}")
+        if 0 < self.prefix_hot_load_pct < 100:
+            raise InvalidArgumentError("prefix_hot_load_pct must be 0 (off) or in 100..1000")
         if self.heartbeat_interval_ms >= self.instance_ttl_ms:
             raise InvalidArgumentError("heartbeat_interval_ms must be below instance_ttl_ms")
 

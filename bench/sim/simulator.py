@@ -75,8 +75,10 @@ from coordinator.models import InstanceLoad, InstanceRow, InstanceSpec, RequestS
 from coordinator.prefix import (
     CachedTokens,
     HotPrefixes,
+    RecentCounts,
     block_tokens,
     guarded_cached_tokens,
+    hot_capacity,
     hot_instances,
 )
 from coordinator.pressure import instance_load
@@ -153,6 +155,7 @@ class SimConfig:
     prefix_guard_ms: int = Settings().prefix_guard_ms  # the hot-spot guard (coordinator/prefix.py)
     prefix_hot_guard_ms: int = Settings().prefix_hot_guard_ms  # its distance for hot prefixes
     prefix_hot_ms: int = Settings().prefix_hot_ms  # what the guard counts as hot (ditto)
+    prefix_hot_load_pct: int = Settings().prefix_hot_load_pct  # bounded loads when hot (ditto)
     speeds: tuple[float, ...] = ()  # true speed per instance, cycled (empty: all 1.0)
     registered_timing: str = "exact"  # exact | none | shared (REGISTERED_TIMING)
     learn: bool = False  # nodes learn timing from traffic (coordinator/timing.py)
@@ -330,6 +333,7 @@ class _Node:
     observations: Observations = field(default_factory=Observations)
     flushed_ms: float = 0.0
     hot: HotPrefixes = field(default_factory=lambda: HotPrefixes(0))  # prefixes it routed
+    routes: RecentCounts = field(default_factory=lambda: RecentCounts(0))  # where, lately
     view: NodeView | None = None  # its view of the shared state (RESERVED strategies)
 
 
@@ -394,6 +398,7 @@ class Simulation:
                 random.Random(f"{c.seed}:{strategy}:{n}"),
                 local=[0] * c.instances,
                 hot=HotPrefixes(c.prefix_hot_ms),
+                routes=RecentCounts(c.prefix_hot_ms),
                 view=(
                     NodeView(self.state, c.snapshot_max_age_ms, c.live_refresh_ms)
                     if strategy in RESERVED
@@ -552,6 +557,7 @@ class Simulation:
         self.active_tokens[k] += req.prompt_tokens + expected
         if prefix_aware:
             blocks = req.blocks[: self.config.prefix_max_blocks]
+            node.routes.note((self.ids[k],), now)  # as PrefixIndex.routed
             node.hot.note(blocks, now)
             self.prefix_index.record(self.ids[k], blocks, held.get(self.ids[k], 0))
         if self.strategy in SHARED:
@@ -709,8 +715,18 @@ class Simulation:
             rows = self._view_rows(node.view, now)
             backlogs = {r.id: r.predicted_total_backlog_ms for r in rows}
             floor = min((b for b in backlogs.values() if b is not None), default=0)
+            capacity = None
+            if getattr(cached, "hot", None):
+                routed = node.routes.total(now)
+                capacity = hot_capacity(routed, len(rows), c.prefix_hot_load_pct)
             cached = guarded_cached_tokens(
-                cached, backlogs.get, floor, c.prefix_guard_ms, c.prefix_hot_guard_ms
+                cached,
+                backlogs.get,
+                floor,
+                c.prefix_guard_ms,
+                c.prefix_hot_guard_ms,
+                lambda iid: node.routes.count(iid, now),
+                capacity,
             )
         return RequestShape(req.prompt_tokens, expected, cached)
 

@@ -129,9 +129,11 @@ def test_prefix_replays_are_deterministic_and_affinity_hits_more() -> None:
 def test_a_popular_prefix_spreads_while_hot_and_piles_up_without_the_hot_guard() -> None:
     """The credit a conversation's turn keeps against a busy holder (prefill_ms, the
     long guard) would pile a popular prefix onto its first holder; the short guard of
-    a hot prefix spreads it over the fleet. Fresh views (NodeView): the guard is judged
-    on the backlogs as they are; with the nodes' default view ages the holders' backlog
-    is seen late and the prefix stays on fewer instances (4 of 8 here, none waiting)."""
+    a hot prefix spreads it over the fleet: its short backlog distance, and the
+    bounded-loads rule (no holder over 125% of its share of a node's recent requests),
+    which leaves at most one of 8 instances without the prefix (7 holders take 8/7 of
+    the mean each, within 125%). Fresh views (NodeView): the guard is judged on the
+    backlogs as they are."""
     config = SimConfig(
         instances=8,
         nodes=3,
@@ -141,7 +143,7 @@ def test_a_popular_prefix_spreads_while_hot_and_piles_up_without_the_hot_guard()
     )
     requests = scale_to_utilization(popular_prefix(count=600, shared=80), config.timing, 8, 0.8)
     spread = simulate(requests, "least_load_affinity", config)
-    assert min(spread.assigned) > 0 and spread.imbalance < 1.5
+    assert sorted(spread.assigned)[1] > 0 and spread.imbalance < 1.3
     piled = simulate(requests, "least_load_affinity", replace(config, prefix_hot_ms=0))
     assert sorted(piled.assigned)[-2] == 0  # one instance served everything
 

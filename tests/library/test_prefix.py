@@ -8,10 +8,12 @@ from hypothesis import strategies as st
 from coordinator.prefix import (
     CachedTokens,
     HotPrefixes,
+    RecentCounts,
     block_hashes,
     cached_blocks,
     canonical_prompt,
     guarded_cached_tokens,
+    hot_capacity,
     hot_instances,
     parse_owners,
     salt_key,
@@ -122,32 +124,66 @@ def test_a_hot_prefix_fades_over_the_hot_distance_a_cold_one_over_the_guard() ->
     assert cached == {"popular": 8000, "turn": 8000} and isinstance(cached, dict)
 
 
-def test_a_prefix_is_hot_between_one_and_two_windows_after_it_was_routed() -> None:
+def test_a_prefix_is_hot_between_one_and_two_windows_after_it_was_routed_twice() -> None:
     hot = HotPrefixes(1000)
     hot.note(["a", "b"], now_ms=0)
+    assert not hot.is_hot("a", 999)  # once: a conversation's previous turn, not popular
+    hot.note(["a", "b"], now_ms=10)
     assert hot.is_hot("a", 999) and hot.is_hot("b", 999)
     assert not hot.is_hot("c", 999)
-    hot.note(["c"], now_ms=1000)  # a new generation: a and b are in the previous one
+    hot.note(["c", "c"], now_ms=1000)  # a new generation: a and b are in the previous one
     assert hot.is_hot("a", 1999) and hot.is_hot("c", 1999)
     assert not hot.is_hot("a", 2000)  # two generations on: a is forgotten
     assert hot.is_hot("c", 2000)
     assert not hot.is_hot("c", 4000)  # idle for two windows: nothing is hot
     off = HotPrefixes(0)
-    off.note(["a"], 0)
+    off.note(["a", "a"], 0)
     assert not off.is_hot("a", 0)
+
+
+def test_recent_counts_count_within_two_windows() -> None:
+    routes = RecentCounts(1000)
+    routes.note(["i0", "i1"], 0)
+    routes.note(["i0"], 500)
+    assert routes.count("i0", 999) == 2 and routes.total(999) == 3
+    routes.note(["i2"], 1000)  # a new generation
+    assert routes.count("i0", 1500) == 2 and routes.total(1500) == 4
+    assert routes.count("i0", 2000) == 0 and routes.total(2000) == 1
+    assert routes.total(4000) == 0
 
 
 def test_the_hot_set_is_bounded() -> None:
     hot = HotPrefixes(10_000, max_size=4)
-    hot.note(range(4), 0)  # full: the next note starts a new generation
-    hot.note([10], 1)
-    hot.note([11, 12, 13], 2)
-    hot.note([14], 3)
+    hot.note([0, 1, 2, 3, 0], 0)  # full: the next note starts a new generation
+    hot.note([10, 10], 1)
+    hot.note([11, 12, 13, 11], 2)
+    hot.note([14, 14], 3)
     assert not hot.is_hot(0, 3) and hot.is_hot(10, 3) and hot.is_hot(14, 3)
+
+
+def test_hot_capacity_is_the_bounded_loads_share() -> None:
+    assert hot_capacity(0, 8, 125) == 1  # at least one
+    assert hot_capacity(63, 8, 125) == 10  # 1.25 x 64 / 8
+    assert hot_capacity(10, 8, 125) == 1  # rounded down: 1.72
+    assert hot_capacity(10, 8, 0) is None and hot_capacity(10, 0, 125) is None
+
+
+def test_a_hot_prefix_loses_its_credit_on_an_instance_over_its_share() -> None:
+    cached = CachedTokens({"busy": 8000, "spare": 8000, "turn": 8000}, hot={"busy", "spare"})
+    routed = {"busy": 3, "spare": 1, "turn": 9}
+    out = guarded_cached_tokens(cached, lambda _: 0.0, 0.0, 10_000, 3000, routed.get, 2)
+    # busy would have 4 > 2; spare 2 fits; turn is not hot, so no share applies
+    assert out == {"spare": 8000, "turn": 8000}
+    # without the rule (no capacity) all keep their credit
+    assert guarded_cached_tokens(cached, lambda _: 0.0, 0.0, 10_000, 3000, routed.get, None) == {
+        "busy": 8000,
+        "spare": 8000,
+        "turn": 8000,
+    }
 
 
 def test_hot_instances_look_at_each_deepest_credited_block() -> None:
     hot = HotPrefixes(1000)
     blocks = ["h1", "h2", "h3"]
-    hot.note(["h2"], 0)
+    hot.note(["h2", "h2"], 0)
     assert hot_instances({"a": 2, "b": 3, "c": 0}, blocks, hot, 10) == {"a"}
