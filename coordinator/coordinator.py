@@ -54,7 +54,7 @@ from coordinator.models import (
 )
 from coordinator.outliers import Outcome, OutlierPolicy, OutlierView, parse_outliers
 from coordinator.packed import NO_SLOT, as_text, pack_candidate
-from coordinator.prefix import guarded_cached_tokens, hot_capacity
+from coordinator.prefix import guarded_cached_tokens, hot_room
 from coordinator.prefix_index import PrefixIndex
 from coordinator.pressure import instance_load
 from coordinator.scripts import Scripts
@@ -803,22 +803,27 @@ class Coordinator:
         )
         if floor is None:
             return request
-        capacity = None
-        routes = self.prefix.routes
-        now_ms = time.monotonic() * 1000
+        room = None
         if getattr(request.cached_tokens, "hot", None):
-            alive = self._columns_view.alive_mixed(
+            routes, now_ms = self.prefix.routes, time.monotonic() * 1000
+            inflight, total = self._columns_view.inflight(
                 self._cache, self._cache.estimated_now_ms(), self.settings.instance_ttl_ms
             )
-            capacity = hot_capacity(routes.total(now_ms), alive, self.settings.prefix_hot_load_pct)
+            room = hot_room(
+                [
+                    (inflight.get, total),
+                    (lambda iid: routes.count(iid, now_ms), routes.total(now_ms)),
+                ],
+                len(inflight),
+                self.settings.prefix_hot_load_pct,
+            )
         cached = guarded_cached_tokens(
             request.cached_tokens,
             backlogs.get,
             floor,
             guard_ms,
             self.settings.prefix_hot_guard_ms,
-            lambda iid: routes.count(iid, now_ms),
-            capacity,
+            room,
         )
         return replace(request, cached_tokens=cached)
 

@@ -322,12 +322,17 @@ class ColumnarPool:
                 out[iid] = float(backlog[i])
         return floor, out
 
-    def alive_mixed(self, cache: PoolCache, now: int, instance_ttl_ms: int) -> int:
-        """How many alive mixed instances the view has: the instances the bounded-loads
-        rule for hot prefixes shares requests among (coordinator/prefix.py)."""
+    def inflight(
+        self, cache: PoolCache, now: int, instance_ttl_ms: int
+    ) -> tuple[dict[str, float], float]:
+        """Requests in flight per alive mixed instance, and their sum: what the
+        bounded-loads rule for hot prefixes compares (coordinator/prefix.py)."""
         self.sync(cache)
-        mask = (now - self._cols["last_seen"] <= instance_ttl_ms) & self._mixed
-        return int(mask.sum())
+        c = self._cols
+        mask = (now - c["last_seen"] <= instance_ttl_ms) & self._mixed
+        column = c["inflight"]
+        out = {iid: float(column[i]) for iid, i in self.index.items() if mask[i]}
+        return out, float(column[mask].sum())
 
     def _prefill_ms(self, request: RequestShape) -> Floats:
         """InstanceSpec.prefill_ms of each row's uncached prompt, as a column (kept for

@@ -68,7 +68,26 @@ def chain_hashes(blocks: Sequence[bytes], key: bytes) -> list[str]:
     return out
 
 
-def block_hashes(text: str, key: bytes, block_chars: int, max_blocks: int) -> list[str]:
+class PromptBlocks(list[str]):
+    """The block hashes of one prompt (a plain list to everything that reads it), and
+    the prompt's text, which stays in the node's memory: `after` gives what follows a
+    block, which tells a conversation's next turn from another prompt through the
+    same blocks (`HotPrefixes`)."""
+
+    __slots__ = ("block_chars", "text")
+
+    def __init__(self, hashes: Iterable[str], text: str, block_chars: int) -> None:
+        super().__init__(hashes)
+        self.text = text
+        self.block_chars = block_chars
+
+    def after(self, depth: int) -> str:
+        """At most one block of the text that follows block `depth` (from 1)."""
+        start = depth * self.block_chars
+        return self.text[start : start + self.block_chars]
+
+
+def block_hashes(text: str, key: bytes, block_chars: int, max_blocks: int) -> PromptBlocks:
     """Hashes of the first `max_blocks` whole blocks of `text`."""
     if block_chars < 1:
         raise ValueError("block_chars must be >= 1")
@@ -77,7 +96,7 @@ def block_hashes(text: str, key: bytes, block_chars: int, max_blocks: int) -> li
         text[i * block_chars : (i + 1) * block_chars].encode("utf-8", "surrogatepass")
         for i in range(whole)
     ]
-    return chain_hashes(blocks, key)
+    return PromptBlocks(chain_hashes(blocks, key), text, block_chars)
 
 
 def block_tokens(block_chars: int) -> int:
@@ -182,40 +201,131 @@ class RecentCounts:
         return self._totals[0] + self._totals[1]
 
 
-class HotPrefixes(RecentCounts):
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+
+
+class HotPrefixes:
     """The block hashes one node routed recently: what makes a prefix popular *now*.
 
-    A hash is hot once the node routed it at least twice within the window. Twice, not
-    once: a conversation's next turn is credited with the deepest block of its previous
-    turn, which one request routed, while a shared system prompt or document is routed
-    by request after request. A popular prefix reaches every node behind the balancer
-    within the window.
+    A block is hot once this node routed it for two different prompts within the
+    window (two generations, as `RecentCounts`). A block routed inside a prompt is hot
+    at once: the next prompt credited with it goes on differently. A prompt's last
+    (hashed) block is hot only once a second prompt that does not continue the first
+    was routed through it, or asks now: a conversation's next turn repeats the whole
+    previous prompt, tail included, and must keep its holder, while a shared system
+    prompt or document is the same few blocks under prompt after prompt. For the last
+    block the node keeps the length and an 8-byte digest of what followed it (at most
+    one block of text), never the text. A prompt without text (`tail` None: the
+    simulator's trace blocks) continues whatever came before.
     """
 
-    def is_hot(self, block: Hashable, now_ms: float) -> bool:
-        """Whether this node routed requests holding `block` twice within the window."""
-        return self.count(block, now_ms) >= 2
+    def __init__(self, window_ms: float, max_size: int = 65_536) -> None:
+        self.window_ms = window_ms
+        self.max_size = max_size
+        # block -> [distinct prompts, tail length, tail digest] (length -1: no tail yet)
+        self._current: dict[Hashable, list[Any]] = {}
+        self._previous: dict[Hashable, list[Any]] = {}
+        self._started_ms: float | None = None
+
+    def _age(self, now_ms: float) -> None:
+        if self._started_ms is None:
+            self._started_ms = now_ms
+        elapsed = now_ms - self._started_ms
+        if elapsed >= 2 * self.window_ms:
+            self._current, self._previous = {}, {}
+            self._started_ms = now_ms
+        elif elapsed >= self.window_ms or len(self._current) >= self.max_size:
+            self._current, self._previous = {}, self._current
+            self._started_ms = now_ms
+
+    def _seen(self, block: Hashable) -> tuple[int, int, bytes | None]:
+        """Distinct prompts through `block` in both generations, and the newest tail."""
+        now, before = self._current.get(block), self._previous.get(block)
+        count = (now[0] if now else 0) + (before[0] if before else 0)
+        newest = now if now and now[1] >= 0 else before
+        return count, (newest[1] if newest else -1), (newest[2] if newest else None)
+
+    @staticmethod
+    def _continues(after: str | None, length: int, digest: bytes | None) -> bool:
+        if after is None or digest is None:
+            return True
+        return len(after) >= length and _digest(after[:length]) == digest
+
+    def note(self, blocks: Sequence[Hashable], now_ms: float, tail: str | None = None) -> None:
+        """This node routed a prompt with these blocks (in order) at `now_ms`; `tail`
+        is what followed its last block (`PromptBlocks.after`), None if unknown."""
+        if self.window_ms <= 0 or not blocks:
+            return
+        self._age(now_ms)
+        current = self._current
+        for block in blocks[:-1]:
+            entry = current.setdefault(block, [0, -1, None])
+            entry[0] += 2
+        last = blocks[-1]
+        count, length, digest = self._seen(last)
+        entry = current.setdefault(last, [0, -1, None])
+        if count == 0 or not self._continues(tail, length, digest):
+            entry[0] += 1
+        if tail is not None:
+            entry[1], entry[2] = len(tail), _digest(tail)
+
+    def is_hot(self, block: Hashable, now_ms: float, after: str | None = None) -> bool:
+        """Whether `block` is popular: two prompts through it within the window, or
+        one and a prompt that does not continue it (`after`: what follows `block` in
+        the prompt that asks)."""
+        if self.window_ms <= 0:
+            return False
+        self._age(now_ms)
+        count, length, digest = self._seen(block)
+        return count >= 2 or (count == 1 and not self._continues(after, length, digest))
 
 
 def hot_instances(
     held: Mapping[str, int], blocks: Sequence[Hashable], hot: HotPrefixes, now_ms: float
 ) -> set[str]:
-    """Instances whose deepest credited block (of `held` blocks each) is hot."""
+    """Instances whose deepest credited block (of `held` blocks each) is hot, for the
+    prompt of `blocks` (with its text when they are `PromptBlocks`)."""
+    text = blocks if isinstance(blocks, PromptBlocks) else None
     return {
-        iid for iid, depth in held.items() if depth > 0 and hot.is_hot(blocks[depth - 1], now_ms)
+        iid
+        for iid, depth in held.items()
+        if depth > 0
+        and hot.is_hot(blocks[depth - 1], now_ms, text.after(depth) if text is not None else None)
     }
 
 
-def hot_capacity(routed: float, instances: int, load_pct: int) -> int | None:
-    """Requests a node may have routed lately to an instance for it to keep a hot
+def hot_capacity(total: float, instances: int, load_pct: int) -> int | None:
+    """The most load an instance may carry, this request included, to keep a hot
     prefix's credit: the bounded-loads rule of consistent hashing (Mirrokni, Thorup,
-    Zadimoghaddam 2018), load_pct/100 x (`routed` requests + this one) / `instances`,
-    rounded down but at least 1: with the few requests a lightly loaded node routes
-    in a window, rounding up would let a holder take twice its share. None when
+    Zadimoghaddam 2018), load_pct/100 x (`total` load of the pool + this request) /
+    `instances`, rounded down but at least 1: with the few requests a lightly loaded
+    pool has, rounding up would let a holder take twice its share. None when
     `load_pct` is 0 (off) or no instance is known."""
     if load_pct <= 0 or instances <= 0:
         return None
-    return max(1, math.floor(load_pct * (routed + 1) / (100 * instances)))
+    return max(1, math.floor(load_pct * (total + 1) / (100 * instances)))
+
+
+def hot_room(
+    loads: Sequence[tuple[Callable[[str], float | None], float]], instances: int, load_pct: int
+) -> Callable[[str], bool] | None:
+    """Whether an instance has room for one more request of a hot prefix under every
+    one of `loads` ((load of an instance, total of the pool) pairs): within
+    `hot_capacity` of each. None when the rule is off. An instance whose load is not
+    known has no room."""
+    capacities = [(load_of, hot_capacity(total, instances, load_pct)) for load_of, total in loads]
+    if load_pct <= 0 or instances <= 0:
+        return None
+
+    def room(iid: str) -> bool:
+        for load_of, capacity in capacities:
+            load = load_of(iid)
+            if load is None or (capacity is not None and load + 1 > capacity):
+                return False
+        return True
+
+    return room
 
 
 def guarded_cached_tokens(
@@ -224,8 +334,7 @@ def guarded_cached_tokens(
     floor_backlog_ms: float,
     guard_ms: int,
     hot_guard_ms: int = 0,
-    routed_of: Callable[[str], float | None] | None = None,
-    hot_capacity: int | None = None,
+    hot_room: Callable[[str], bool] | None = None,
 ) -> dict[str, int]:
     """The hot-spot guard: cache credit fades as an instance gets busier than the least
     busy candidate, and is gone once it is `guard_ms` of backlog ahead (`hot_guard_ms`
@@ -253,11 +362,11 @@ def guarded_cached_tokens(
     Backlog alone does not spread a popular prefix while the fleet is lightly loaded:
     a shared system prompt's holder stays within any backlog distance of the idlest
     instance (and has few requests in flight), and takes every conversation's first
-    turn while the others idle. So a hot prefix's credit also needs room under
-    `hot_capacity` (`hot_capacity()`, the bounded-loads rule) for the requests this
-    node routed there lately (`routed_of`, a `RecentCounts` over the hot window): at
-    most that many with this one. A holder over it loses the credit, the request goes
-    where the load is, and that instance holds the prefix from then on.
+    turn while the others idle. So a hot prefix's credit also needs `hot_room` (see
+    `hot_room()`, the bounded-loads rule): the nodes give it the requests in flight
+    in the pool and those the node routed lately. A holder over its share loses the
+    credit, the request goes where the load is, and that instance holds the prefix
+    from then on.
     Conversations' next turns are not hot (`HotPrefixes`) and keep their holder.
     """
     if guard_ms <= 0:
@@ -270,10 +379,8 @@ def guarded_cached_tokens(
         backlog = backlog_of(iid)
         if backlog is None:
             continue
-        if iid in hot and hot_capacity is not None and routed_of is not None:
-            routed = routed_of(iid)
-            if routed is None or routed + 1 > hot_capacity:
-                continue
+        if iid in hot and hot_room is not None and not hot_room(iid):
+            continue
         distance = hot_guard_ms if iid in hot and hot_guard_ms > 0 else guard_ms
         share = 1.0 - max(0, backlog - floor_backlog_ms) / distance
         if share > 0:

@@ -21,6 +21,7 @@ from coordinator.keys import PoolKeys
 from coordinator.prefix import (
     CachedTokens,
     HotPrefixes,
+    PromptBlocks,
     RecentCounts,
     block_hashes,
     block_tokens,
@@ -123,7 +124,8 @@ class PrefixIndex:
         hot-spot guard's bounded loads (coordinator/prefix.py)."""
         now_ms = time.monotonic() * 1000
         self.routes.note((instance_id,), now_ms)
-        self.hot.note(hashes, now_ms)
+        tail = hashes.after(len(hashes)) if isinstance(hashes, PromptBlocks) else None
+        self.hot.note(hashes, now_ms, tail)
 
     async def record(self, instance_id: str, hashes: Sequence[str], held_tokens: int = 0) -> None:
         """Record that `instance_id` now holds these blocks (best effort).

@@ -78,8 +78,8 @@ from coordinator.prefix import (
     RecentCounts,
     block_tokens,
     guarded_cached_tokens,
-    hot_capacity,
     hot_instances,
+    hot_room,
 )
 from coordinator.pressure import instance_load
 from coordinator.settings import Settings, Weights
@@ -715,18 +715,19 @@ class Simulation:
             rows = self._view_rows(node.view, now)
             backlogs = {r.id: r.predicted_total_backlog_ms for r in rows}
             floor = min((b for b in backlogs.values() if b is not None), default=0)
-            capacity = None
-            if getattr(cached, "hot", None):
-                routed = node.routes.total(now)
-                capacity = hot_capacity(routed, len(rows), c.prefix_hot_load_pct)
+            room = None
+            if getattr(cached, "hot", None):  # as Coordinator._guard_hot_spots
+                inflight = {r.id: float(r.inflight or 0) for r in rows}
+                room = hot_room(
+                    [
+                        (inflight.get, sum(inflight.values())),
+                        (lambda iid: node.routes.count(iid, now), node.routes.total(now)),
+                    ],
+                    len(rows),
+                    c.prefix_hot_load_pct,
+                )
             cached = guarded_cached_tokens(
-                cached,
-                backlogs.get,
-                floor,
-                c.prefix_guard_ms,
-                c.prefix_hot_guard_ms,
-                lambda iid: node.routes.count(iid, now),
-                capacity,
+                cached, backlogs.get, floor, c.prefix_guard_ms, c.prefix_hot_guard_ms, room
             )
         return RequestShape(req.prompt_tokens, expected, cached)
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from coordinator.prefix import (
     CachedTokens,
     HotPrefixes,
+    PromptBlocks,
     RecentCounts,
     block_hashes,
     cached_blocks,
@@ -15,6 +16,7 @@ from coordinator.prefix import (
     guarded_cached_tokens,
     hot_capacity,
     hot_instances,
+    hot_room,
     parse_owners,
     salt_key,
 )
@@ -124,21 +126,40 @@ def test_a_hot_prefix_fades_over_the_hot_distance_a_cold_one_over_the_guard() ->
     assert cached == {"popular": 8000, "turn": 8000} and isinstance(cached, dict)
 
 
-def test_a_prefix_is_hot_between_one_and_two_windows_after_it_was_routed_twice() -> None:
+def test_a_block_inside_a_routed_prompt_is_hot_for_one_to_two_windows() -> None:
     hot = HotPrefixes(1000)
-    hot.note(["a", "b"], now_ms=0)
-    assert not hot.is_hot("a", 999)  # once: a conversation's previous turn, not popular
-    hot.note(["a", "b"], now_ms=10)
-    assert hot.is_hot("a", 999) and hot.is_hot("b", 999)
-    assert not hot.is_hot("c", 999)
-    hot.note(["c", "c"], now_ms=1000)  # a new generation: a and b are in the previous one
+    hot.note(["a", "b"], now_ms=0)  # "a" inside the prompt, "b" its last block
+    assert hot.is_hot("a", 999) and not hot.is_hot("b", 999) and not hot.is_hot("c", 999)
+    hot.note(["c", "d"], now_ms=1000)  # a new generation: a is in the previous one
     assert hot.is_hot("a", 1999) and hot.is_hot("c", 1999)
     assert not hot.is_hot("a", 2000)  # two generations on: a is forgotten
     assert hot.is_hot("c", 2000)
     assert not hot.is_hot("c", 4000)  # idle for two windows: nothing is hot
     off = HotPrefixes(0)
-    off.note(["a", "a"], 0)
+    off.note(["a", "b"], 0)
     assert not off.is_hot("a", 0)
+
+
+def test_a_last_block_is_hot_for_another_prompt_not_for_the_next_turn() -> None:
+    """A conversation's next turn repeats the previous prompt, tail included: its
+    holder's credit is not hot, however often the turns go through this node. Another
+    prompt through the same last block (a shared system prompt, then a different
+    question) is."""
+    hot = HotPrefixes(10_000)
+    turn = "user: how do I ...?"
+    hot.note(["sys", "end"], 0, tail=turn)
+    assert not hot.is_hot("end", 1, after=turn + " assistant: like so. user: and then?")
+    assert not hot.is_hot("end", 1, after=None)  # no text: continues (the simulator)
+    assert hot.is_hot("end", 1, after="user: something else entirely")
+    assert hot.is_hot("end", 1, after=turn[:5])  # shorter than what followed: another prompt
+    hot.note(["sys", "end"], 2, tail=turn + " assistant: like so.")  # the next turn
+    assert not hot.is_hot("end", 3, after=turn + " assistant: like so. user: more")
+    hot.note(["sys", "end"], 4, tail="user: another question")  # another prompt
+    assert hot.is_hot("end", 5, after=turn)  # two prompts: hot for everyone
+    untold = HotPrefixes(10_000)
+    for t in range(3):
+        untold.note(["x"], t)  # no tails: each continues the last
+    assert not untold.is_hot("x", 3)
 
 
 def test_recent_counts_count_within_two_windows() -> None:
@@ -154,10 +175,10 @@ def test_recent_counts_count_within_two_windows() -> None:
 
 def test_the_hot_set_is_bounded() -> None:
     hot = HotPrefixes(10_000, max_size=4)
-    hot.note([0, 1, 2, 3, 0], 0)  # full: the next note starts a new generation
-    hot.note([10, 10], 1)
-    hot.note([11, 12, 13, 11], 2)
-    hot.note([14, 14], 3)
+    hot.note([0, 1, 2, 3, 99], 0)  # full: the next note starts a new generation
+    hot.note([10, 98], 1)
+    hot.note([11, 12, 13, 97], 2)
+    hot.note([14, 96], 3)
     assert not hot.is_hot(0, 3) and hot.is_hot(10, 3) and hot.is_hot(14, 3)
 
 
@@ -170,20 +191,36 @@ def test_hot_capacity_is_the_bounded_loads_share() -> None:
 
 def test_a_hot_prefix_loses_its_credit_on_an_instance_over_its_share() -> None:
     cached = CachedTokens({"busy": 8000, "spare": 8000, "turn": 8000}, hot={"busy", "spare"})
-    routed = {"busy": 3, "spare": 1, "turn": 9}
-    out = guarded_cached_tokens(cached, lambda _: 0.0, 0.0, 10_000, 3000, routed.get, 2)
-    # busy would have 4 > 2; spare 2 fits; turn is not hot, so no share applies
-    assert out == {"spare": 8000, "turn": 8000}
-    # without the rule (no capacity) all keep their credit
-    assert guarded_cached_tokens(cached, lambda _: 0.0, 0.0, 10_000, 3000, routed.get, None) == {
-        "busy": 8000,
-        "spare": 8000,
-        "turn": 8000,
-    }
+    inflight = {"busy": 1.0, "spare": 0.0, "turn": 5.0}
+    routed = {"busy": 3.0, "spare": 1.0, "turn": 9.0}
+    # capacities: in flight floor(1.25 x 7 / 3) = 2, routed floor(1.25 x 14 / 3) = 5
+    room = hot_room([(inflight.get, 6.0), (routed.get, 13.0)], 3, 125)
+    assert room is not None and room("busy") and room("spare") and not room("turn")
+    room = hot_room([(inflight.get, 1.0), (routed.get, 1.0)], 3, 125)  # capacities 1, 1
+    assert room is not None and not room("busy") and not room("spare")
+    assert hot_room([(inflight.get, 1.0)], 3, 0) is None  # off
+    out = guarded_cached_tokens(cached, lambda _: 0.0, 0.0, 10_000, 3000, lambda i: i == "spare")
+    assert out == {"spare": 8000, "turn": 8000}  # turn is not hot: no share applies
+    assert guarded_cached_tokens(cached, lambda _: 0.0, 0.0, 10_000, 3000, None) == cached
 
 
 def test_hot_instances_look_at_each_deepest_credited_block() -> None:
     hot = HotPrefixes(1000)
     blocks = ["h1", "h2", "h3"]
-    hot.note(["h2", "h2"], 0)
+    hot.note(["h2", "other"], 0)  # h2 inside a prompt
     assert hot_instances({"a": 2, "b": 3, "c": 0}, blocks, hot, 10) == {"a"}
+
+
+def test_hot_instances_tell_a_next_turn_from_another_prompt_by_the_text() -> None:
+    system = "s" * 32
+    first = block_hashes(system + "user: one?", KEY, 16, 8)  # 2 whole blocks, then a tail
+    assert isinstance(first, PromptBlocks) and len(first) == 2
+    assert first.after(2) == "user: one?" and first.after(1) == system[16:]
+    hot = HotPrefixes(10_000)
+    hot.note(first, 0, first.after(len(first)))
+    turn = block_hashes(system + "user: one? assistant: yes. user: two?", KEY, 16, 8)
+    other = block_hashes(system + "user: something else", KEY, 16, 8)
+    assert turn[:2] == other[:2] == list(first)
+    # the holder of both blocks: the next turn is not hot, another prompt is
+    assert hot_instances({"i0": 2}, turn, hot, 1) == set()
+    assert hot_instances({"i0": 2}, other, hot, 1) == {"i0"}

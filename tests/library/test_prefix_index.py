@@ -201,15 +201,15 @@ async def test_a_prefix_this_node_just_routed_is_hot_on_this_node_only(
     found = await c.prefix.cached_tokens(hashes(c, "a", "b", "c"))
     assert isinstance(found, CachedTokens) and found == {"i0": 2 * TOKENS}
     assert found.hot == frozenset()
-    other.prefix.routed("i0", turn)
-    other.prefix.routed("i0", turn)  # hot on the other node only
-    c.prefix.routed("i1", hashes(c, "a"))  # this node: only the first block
+    other.prefix.routed("i0", hashes(c, "a", "b", "y"))  # hot on the other node only
+    c.prefix.routed("i1", hashes(c, "a"))  # this node: a prompt of the first block
     await c.prefix.record("i1", hashes(c, "a"))
     found = await c.prefix.cached_tokens(hashes(c, "a", "b", "c"))
-    assert found == {"i0": 2 * TOKENS, "i1": TOKENS} and found.hot == frozenset()  # once
-    c.prefix.routed("i1", hashes(c, "a"))
+    # a prompt that goes on from it, as a conversation's next turn does: not hot
+    assert found == {"i0": 2 * TOKENS, "i1": TOKENS} and found.hot == frozenset()
+    c.prefix.routed("i2", hashes(c, "a", "x"))  # another prompt through "a"
     found = await c.prefix.cached_tokens(hashes(c, "a", "b", "c"))
-    # i1's deepest credited block ("a"), routed twice, is hot here; i0's ("a", "b") is not.
+    # i1's deepest credited block ("a") is hot here; i0's ("a", "b") is not.
     assert found == {"i0": 2 * TOKENS, "i1": TOKENS} and found.hot == {"i1"}
 
 
