@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from bench.docs import add_write_docs, write_section
 from bench.live import LiveConfig, LiveRun, run_live
@@ -49,14 +50,15 @@ TRACES = ROOT.parent / "shared" / "traces"
 MOONCAKE = TRACES / "mooncake_synthetic.jsonl"
 AZURE = [TRACES / f"azure_llm_2023_{k}.csv" for k in ("conv", "code")]
 CAPACITIES = (400_000, 1_000_000, 2_000_000)
-# (label, sim strategy, hot-spot guard ms: None = the node default)
-MOONCAKE_ROWS: tuple[tuple[str, str, int | None], ...] = (
-    ("least_load", "least_load", None),
-    ("least_load_affinity", "least_load_affinity", None),
-    ("least_load_affinity, guard off", "least_load_affinity", 0),
-    ("consistent_hash", "consistent_hash", None),
-    ("sglang_cache_aware", "sglang_cache_aware", None),
-    ("dynamo_kv", "dynamo_kv", None),
+# (label, sim strategy, SimConfig changes from the node defaults)
+MOONCAKE_ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("least_load", "least_load", {}),
+    ("least_load_affinity", "least_load_affinity", {}),
+    ("least_load_affinity, bounded loads off", "least_load_affinity", {"prefix_hot_load_pct": 0}),
+    ("least_load_affinity, guard off", "least_load_affinity", {"prefix_guard_ms": 0}),
+    ("consistent_hash", "consistent_hash", {}),
+    ("sglang_cache_aware", "sglang_cache_aware", {}),
+    ("dynamo_kv", "dynamo_kv", {}),
 )
 POPULAR_REQUESTS = 2000  # the popular-prefix workload: requests
 POPULAR_BLOCKS = 80  # blocks of the shared prefix (40,960 tokens), then 2 unique ones
@@ -138,9 +140,9 @@ def ttft_floors(requests: Sequence[TraceRequest], config: SimConfig) -> tuple[fl
 
 def run_rows(requests: Sequence[TraceRequest], config: SimConfig) -> dict[str, StrategyResult]:
     out = {}
-    for label, strategy, guard_ms in MOONCAKE_ROWS:
+    for label, strategy, changes in MOONCAKE_ROWS:
         started = time.monotonic()
-        row_config = config if guard_ms is None else replace(config, prefix_guard_ms=guard_ms)
+        row_config = replace(config, **changes)
         out[label] = simulate(requests, strategy, row_config)
         log(f"sim: {label}: {time.monotonic() - started:.1f} s")
     return out
@@ -462,8 +464,10 @@ its uncached tokens), {args.nodes} proxy nodes (each ranking on its own view of 
 read again once {s.snapshot_max_age_ms} ms old, as the nodes do), utilization {args.utilization:g}
 (computed on uncached work, so caching lowers the real load). The nodes' defaults:
 `ttft_ms` weight {s.weights.ttft_ms:g}, `prefill_ms` weight {s.weights.prefill_ms:g},
-hot-spot guard {s.prefix_guard_ms} ms ({s.prefix_hot_guard_ms} ms for a prefix the node
-routed within {s.prefix_hot_ms} ms), at
+hot-spot guard {s.prefix_guard_ms} ms ({s.prefix_hot_guard_ms} ms for a hot prefix: one the
+node routed within {s.prefix_hot_ms} ms under another prompt; while an instance is idle a hot
+prefix's holder also keeps its credit only within {s.prefix_hot_load_pct}% of its share of
+the requests, bounded loads), at
 most {s.prefix_max_blocks} blocks looked up per request, {s.prefix_max_owners}
 owners per block, an index entry every {s.prefix_record_stride} blocks and at the
 prompt's last (every {NODE_STRIDE} trace blocks in the sim, the same tokens; the

@@ -54,7 +54,7 @@ from coordinator.models import (
 )
 from coordinator.outliers import Outcome, OutlierPolicy, OutlierView, parse_outliers
 from coordinator.packed import NO_SLOT, as_text, pack_candidate
-from coordinator.prefix import guarded_cached_tokens, hot_room
+from coordinator.prefix import guarded_cached_tokens, idle_fleet_room
 from coordinator.prefix_index import PrefixIndex
 from coordinator.pressure import instance_load
 from coordinator.scripts import Scripts
@@ -806,17 +806,10 @@ class Coordinator:
         room = None
         if getattr(request.cached_tokens, "hot", None):
             routes, now_ms = self.prefix.routes, time.monotonic() * 1000
-            inflight, total = self._columns_view.inflight(
+            inflight = self._columns_view.inflight(
                 self._cache, self._cache.estimated_now_ms(), self.settings.instance_ttl_ms
             )
-            room = hot_room(
-                [
-                    (inflight.get, total),
-                    (lambda iid: routes.count(iid, now_ms), routes.total(now_ms)),
-                ],
-                len(inflight),
-                self.settings.prefix_hot_load_pct,
-            )
+            room = idle_fleet_room(inflight, routes, now_ms, self.settings.prefix_hot_load_pct)
         cached = guarded_cached_tokens(
             request.cached_tokens,
             backlogs.get,

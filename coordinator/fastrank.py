@@ -322,17 +322,14 @@ class ColumnarPool:
                 out[iid] = float(backlog[i])
         return floor, out
 
-    def inflight(
-        self, cache: PoolCache, now: int, instance_ttl_ms: int
-    ) -> tuple[dict[str, float], float]:
-        """Requests in flight per alive mixed instance, and their sum: what the
-        bounded-loads rule for hot prefixes compares (coordinator/prefix.py)."""
+    def inflight(self, cache: PoolCache, now: int, instance_ttl_ms: int) -> dict[str, float]:
+        """Requests in flight per alive mixed instance: what the bounded-loads rule for
+        hot prefixes compares (coordinator/prefix.py `idle_fleet_room`)."""
         self.sync(cache)
         c = self._cols
         mask = (now - c["last_seen"] <= instance_ttl_ms) & self._mixed
         column = c["inflight"]
-        out = {iid: float(column[i]) for iid, i in self.index.items() if mask[i]}
-        return out, float(column[mask].sum())
+        return {iid: float(column[i]) for iid, i in self.index.items() if mask[i]}
 
     def _prefill_ms(self, request: RequestShape) -> Floats:
         """InstanceSpec.prefill_ms of each row's uncached prompt, as a column (kept for

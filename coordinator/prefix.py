@@ -328,6 +328,28 @@ def hot_room(
     return room
 
 
+def idle_fleet_room(
+    inflight: Mapping[str, float], routes: RecentCounts, now_ms: float, load_pct: int
+) -> Callable[[str], bool] | None:
+    """The hot-spot guard's bounded loads as the nodes apply them: only while an
+    instance is idle (nothing in flight), on both the pool's requests in flight
+    (`inflight`, per alive instance) and the requests this node routed lately
+    (`routes`). With no instance idle the backlog guard alone spreads a popular
+    prefix: there the counts say little (a few long requests each) and denying a
+    holder its credit would copy the prefix into another cache for nothing. None
+    when the rule does not apply."""
+    if load_pct <= 0 or not inflight or min(inflight.values()) > 0:
+        return None
+    return hot_room(
+        [
+            (inflight.get, sum(inflight.values())),
+            (lambda iid: routes.count(iid, now_ms), routes.total(now_ms)),
+        ],
+        len(inflight),
+        load_pct,
+    )
+
+
 def guarded_cached_tokens(
     cached: Mapping[str, int],
     backlog_of: Callable[[str], float | None],

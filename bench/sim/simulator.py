@@ -79,7 +79,7 @@ from coordinator.prefix import (
     block_tokens,
     guarded_cached_tokens,
     hot_instances,
-    hot_room,
+    idle_fleet_room,
 )
 from coordinator.pressure import instance_load
 from coordinator.settings import Settings, Weights
@@ -718,14 +718,7 @@ class Simulation:
             room = None
             if getattr(cached, "hot", None):  # as Coordinator._guard_hot_spots
                 inflight = {r.id: float(r.inflight or 0) for r in rows}
-                room = hot_room(
-                    [
-                        (inflight.get, sum(inflight.values())),
-                        (lambda iid: node.routes.count(iid, now), node.routes.total(now)),
-                    ],
-                    len(rows),
-                    c.prefix_hot_load_pct,
-                )
+                room = idle_fleet_room(inflight, node.routes, now, c.prefix_hot_load_pct)
             cached = guarded_cached_tokens(
                 cached, backlogs.get, floor, c.prefix_guard_ms, c.prefix_hot_guard_ms, room
             )

@@ -17,6 +17,7 @@ from coordinator.prefix import (
     hot_capacity,
     hot_instances,
     hot_room,
+    idle_fleet_room,
     parse_owners,
     salt_key,
 )
@@ -224,3 +225,15 @@ def test_hot_instances_tell_a_next_turn_from_another_prompt_by_the_text() -> Non
     # the holder of both blocks: the next turn is not hot, another prompt is
     assert hot_instances({"i0": 2}, turn, hot, 1) == set()
     assert hot_instances({"i0": 2}, other, hot, 1) == {"i0"}
+
+
+def test_bounded_loads_apply_only_while_an_instance_is_idle() -> None:
+    routes = RecentCounts(10_000)
+    routes.note(["i0", "i0", "i0", "i1"], 0)
+    busy = {"i0": 1.0, "i1": 1.0, "i2": 2.0}
+    assert idle_fleet_room(busy, routes, 1, 125) is None  # none idle: the backlog guard's
+    idle = {"i0": 1.0, "i1": 0.0, "i2": 0.0}
+    room = idle_fleet_room(idle, routes, 1, 125)
+    # in flight: capacity floor(1.25 x 2 / 3) -> 1; routed: floor(1.25 x 5 / 3) = 2
+    assert room is not None and not room("i0") and room("i1") and room("i2")
+    assert idle_fleet_room(idle, routes, 1, 0) is None  # off
