@@ -249,22 +249,22 @@ def turns_part(instances: int, nodes: int) -> tuple[str, list[Check]]:
     from local_fleet.cluster import LocalCluster, free_port_block  # the live parts only
 
     s = Settings()
-    cluster = LocalCluster(
-        nodes=nodes,
-        engines=instances,
-        base_port=free_port_block(nodes, instances),
-        pool="prefix-turns",
-        engine_args=["--prefix-cache-tokens", str(s.prefix_cache_tokens)],
-    )
-    cluster.start(timeout_s=60)
     results: list[tuple[str, TurnsResult]] = []
-    try:
-        for label, shared in (("a system prompt of its own", False),
-                              ("one system prompt shared by all", True)):  # fmt: skip
+    for label, shared in (("a system prompt of its own", False),
+                          ("one system prompt shared by all", True)):  # fmt: skip
+        cluster = LocalCluster(  # a fresh cluster each: nothing carried from the other
+            nodes=nodes,
+            engines=instances,
+            base_port=free_port_block(nodes, instances),
+            pool=f"prefix-turns-{len(results)}",
+            engine_args=["--prefix-cache-tokens", str(s.prefix_cache_tokens)],
+        )
+        cluster.start(timeout_s=60)
+        try:
             r = asyncio.run(follow_up_turns(cluster.node_urls, instances, shared_system=shared))
             results.append((label, r))
-    finally:
-        cluster.stop()
+        finally:
+            cluster.stop()
     first = results[0][1]
     lines = [
         f"{first.conversations} conversations of {first.turns} turns (a 16,000-character "
@@ -272,9 +272,9 @@ def turns_part(instances: int, nodes: int) -> tuple[str, list[Check]]:
         f"turn k through node (conversation + k) mod {nodes}); {instances} mock engines at "
         f"speed 1 with a {s.prefix_cache_tokens:,}-token prefix cache; nodes in their "
         f"default configuration; the busiest instance against the mean over all "
-        f"{instances}, idle ones included. Run twice on one cluster: each conversation "
-        f"with a system prompt of its own, then all with one shared system prompt (a "
-        f"popular prefix: every first turn finds it cached somewhere).",
+        f"{instances}, idle ones included. Two runs, each on a fresh cluster: each "
+        f"conversation with a system prompt of its own, then all with one shared system "
+        f"prompt (a popular prefix: every first turn finds it cached somewhere).",
         "",
         "| system prompt | follow-ups on the previous turn's instance | requests per "
         "instance | busiest / mean | failed |",
@@ -467,7 +467,7 @@ read again once {s.snapshot_max_age_ms} ms old, as the nodes do), utilization {a
 hot-spot guard {s.prefix_guard_ms} ms ({s.prefix_hot_guard_ms} ms for a hot prefix: one the
 node routed within {s.prefix_hot_ms} ms under another prompt; while an instance is idle a hot
 prefix's holder also keeps its credit only within {s.prefix_hot_load_pct}% of its share of
-the requests, bounded loads), at
+the requests, bounded loads, if the prefix is short or popular), at
 most {s.prefix_max_blocks} blocks looked up per request, {s.prefix_max_owners}
 owners per block, an index entry every {s.prefix_record_stride} blocks and at the
 prompt's last (every {NODE_STRIDE} trace blocks in the sim, the same tokens; the

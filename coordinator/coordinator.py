@@ -54,7 +54,7 @@ from coordinator.models import (
 )
 from coordinator.outliers import Outcome, OutlierPolicy, OutlierView, parse_outliers
 from coordinator.packed import NO_SLOT, as_text, pack_candidate
-from coordinator.prefix import guarded_cached_tokens, idle_fleet_room
+from coordinator.prefix import cheap_copy_tokens, guarded_cached_tokens, idle_fleet_room
 from coordinator.prefix_index import PrefixIndex
 from coordinator.pressure import instance_load
 from coordinator.scripts import Scripts
@@ -817,6 +817,7 @@ class Coordinator:
             guard_ms,
             self.settings.prefix_hot_guard_ms,
             room,
+            cheap_copy_tokens(self.settings.prefix_cache_tokens),
         )
         return replace(request, cached_tokens=cached)
 

@@ -138,16 +138,25 @@ def cached_blocks(
 class CachedTokens(dict[str, int]):
     """Expected cached prompt tokens per instance (a plain dict to everything that
     reads it), and `hot`: the instances whose credited prefix is hot, i.e. this node
-    routed a request with that prefix moments ago (`HotPrefixes`). The hot-spot guard
-    fades a hot prefix's credit over its shorter hot distance; a plain mapping of
-    cached tokens has no hot prefixes.
+    routed it moments ago under another prompt (`HotPrefixes`), and `popular`: those
+    of them whose prefix went under several. The hot-spot guard fades a hot prefix's
+    credit over its shorter hot distance; a plain mapping of cached tokens has no hot
+    prefixes.
     """
 
-    __slots__ = ("hot",)
+    __slots__ = ("hot", "popular")
 
-    def __init__(self, tokens: Mapping[str, int] | None = None, hot: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        tokens: Mapping[str, int] | None = None,
+        hot: Iterable[str] = (),
+        popular: Iterable[str] = (),
+    ) -> None:
         super().__init__(tokens or {})
         self.hot: frozenset[str] = frozenset(hot)
+        # Of `hot`, those whose credited block went under several prompts lately
+        # (POPULAR_COUNT): spreading such a prefix pays for its copy, whatever its size.
+        self.popular: frozenset[str] = frozenset(popular)
 
 
 class RecentCounts:
@@ -270,29 +279,50 @@ class HotPrefixes:
         if tail is not None:
             entry[1], entry[2] = len(tail), _digest(tail)
 
-    def is_hot(self, block: Hashable, now_ms: float, after: str | None = None) -> bool:
-        """Whether `block` is popular: two prompts through it within the window, or
-        one and a prompt that does not continue it (`after`: what follows `block` in
-        the prompt that asks)."""
+    def popularity(self, block: Hashable, now_ms: float, after: str | None = None) -> int:
+        """How popular `block` is: 2 for each prompt this node routed it inside within
+        the window, 1 for each prompt it ended that did not continue the one before,
+        and 1 more when the prompt that asks (`after`: what follows `block` in it)
+        does not continue the last. 2 or more is hot."""
         if self.window_ms <= 0:
-            return False
+            return 0
         self._age(now_ms)
         count, length, digest = self._seen(block)
-        return count >= 2 or (count == 1 and not self._continues(after, length, digest))
+        return count + (count >= 1 and not self._continues(after, length, digest))
+
+    def is_hot(self, block: Hashable, now_ms: float, after: str | None = None) -> bool:
+        """Whether `block` is popular: two prompts through it within the window, or
+        one and a prompt that does not continue it."""
+        return self.popularity(block, now_ms, after) >= 2
+
+
+POPULAR_COUNT = 8  # popularity of a prefix that went inside 4 prompts lately
+CHEAP_COPY_SHARE = 32  # a prefix of at most 1/32 of a cache is cheap to copy
+
+
+def cheap_copy_tokens(cache_tokens: int) -> int:
+    """The longest credited prefix the bounded loads spread whatever its popularity:
+    1/CHEAP_COPY_SHARE of an instance's prefix cache (12,500 tokens of the default
+    400,000), a system prompt's size rather than a document's."""
+    return cache_tokens // CHEAP_COPY_SHARE
 
 
 def hot_instances(
     held: Mapping[str, int], blocks: Sequence[Hashable], hot: HotPrefixes, now_ms: float
-) -> set[str]:
-    """Instances whose deepest credited block (of `held` blocks each) is hot, for the
-    prompt of `blocks` (with its text when they are `PromptBlocks`)."""
+) -> tuple[set[str], set[str]]:
+    """Instances whose deepest credited block (of `held` blocks each) is hot, and those
+    of them where it is popular (`POPULAR_COUNT`), for the prompt of `blocks` (with
+    its text when they are `PromptBlocks`)."""
     text = blocks if isinstance(blocks, PromptBlocks) else None
-    return {
-        iid
+    heat = {
+        iid: hot.popularity(blocks[depth - 1], now_ms, text.after(depth) if text else None)
         for iid, depth in held.items()
         if depth > 0
-        and hot.is_hot(blocks[depth - 1], now_ms, text.after(depth) if text is not None else None)
     }
+    return (
+        {iid for iid, n in heat.items() if n >= 2},
+        {iid for iid, n in heat.items() if n >= POPULAR_COUNT},
+    )
 
 
 def hot_capacity(total: float, instances: int, load_pct: int) -> int | None:
@@ -357,6 +387,7 @@ def guarded_cached_tokens(
     guard_ms: int,
     hot_guard_ms: int = 0,
     hot_room: Callable[[str], bool] | None = None,
+    cheap_copy_tokens: int = 0,
 ) -> dict[str, int]:
     """The hot-spot guard: cache credit fades as an instance gets busier than the least
     busy candidate, and is gone once it is `guard_ms` of backlog ahead (`hot_guard_ms`
@@ -388,20 +419,30 @@ def guarded_cached_tokens(
     `hot_room()`, the bounded-loads rule): the nodes give it the requests in flight
     in the pool and those the node routed lately. A holder over its share loses the
     credit, the request goes where the load is, and that instance holds the prefix
-    from then on.
+    from then on. Only where that copy pays: a short prefix (at most
+    `cheap_copy_tokens`, a small share of a cache) or a popular one (`CachedTokens.
+    popular`, whose copy serves the requests to come). A long prefix that went under
+    one other prompt stays with its holder under the backlog guard: copying it would
+    evict a large share of another cache for a request or two.
     Conversations' next turns are not hot (`HotPrefixes`) and keep their holder.
     """
     if guard_ms <= 0:
         return dict(cached)
     hot: frozenset[str] = frozenset()
+    popular: frozenset[str] = frozenset()
     if isinstance(cached, CachedTokens):
-        hot = cached.hot
+        hot, popular = cached.hot, cached.popular
     out: dict[str, int] = {}
     for iid, tokens in cached.items():
         backlog = backlog_of(iid)
         if backlog is None:
             continue
-        if iid in hot and hot_room is not None and not hot_room(iid):
+        if (
+            iid in hot
+            and hot_room is not None
+            and (tokens <= cheap_copy_tokens or iid in popular)
+            and not hot_room(iid)
+        ):
             continue
         distance = hot_guard_ms if iid in hot and hot_guard_ms > 0 else guard_ms
         share = 1.0 - max(0, backlog - floor_backlog_ms) / distance

@@ -101,8 +101,8 @@ class PrefixIndex:
         held = cached_blocks(owners, self._epoch_of)
         tokens = {iid: blocks * self.block_tokens for iid, blocks in held.items()}
         self.last_lookup = tokens
-        hot = hot_instances(held, hashes, self.hot, time.monotonic() * 1000)
-        return CachedTokens(tokens, hot)
+        hot, popular = hot_instances(held, hashes, self.hot, time.monotonic() * 1000)
+        return CachedTokens(tokens, hot, popular)
 
     async def index_tokens(self, instances: Sequence[tuple[str, int]]) -> dict[str, int]:
         """Tokens the index holds per (instance id, epoch): one HMGET of their counts.

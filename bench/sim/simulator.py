@@ -77,6 +77,7 @@ from coordinator.prefix import (
     HotPrefixes,
     RecentCounts,
     block_tokens,
+    cheap_copy_tokens,
     guarded_cached_tokens,
     hot_instances,
     idle_fleet_room,
@@ -545,8 +546,9 @@ class Simulation:
             cached = {
                 iid: min(b * self.config.block_tokens, req.prompt_tokens) for iid, b in held.items()
             }
-            hot = hot_instances(held, req.blocks, node.hot, now)  # as PrefixIndex.cached_tokens
-            cached = CachedTokens(cached, hot)
+            # as PrefixIndex.cached_tokens
+            hot, popular = hot_instances(held, req.blocks, node.hot, now)
+            cached = CachedTokens(cached, hot, popular)
         k = self._choose(node, req, now, expected, cached)
         self.node_of[r] = n
         self.instance_of[r] = k
@@ -720,7 +722,13 @@ class Simulation:
                 inflight = {r.id: float(r.inflight or 0) for r in rows}
                 room = idle_fleet_room(inflight, node.routes, now, c.prefix_hot_load_pct)
             cached = guarded_cached_tokens(
-                cached, backlogs.get, floor, c.prefix_guard_ms, c.prefix_hot_guard_ms, room
+                cached,
+                backlogs.get,
+                floor,
+                c.prefix_guard_ms,
+                c.prefix_hot_guard_ms,
+                room,
+                cheap_copy_tokens(c.prefix_cache_tokens),
             )
         return RequestShape(req.prompt_tokens, expected, cached)
 

@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from coordinator.prefix import (
+    POPULAR_COUNT,
     CachedTokens,
     HotPrefixes,
     PromptBlocks,
@@ -13,6 +14,7 @@ from coordinator.prefix import (
     block_hashes,
     cached_blocks,
     canonical_prompt,
+    cheap_copy_tokens,
     guarded_cached_tokens,
     hot_capacity,
     hot_instances,
@@ -188,6 +190,7 @@ def test_hot_capacity_is_the_bounded_loads_share() -> None:
     assert hot_capacity(63, 8, 125) == 10  # 1.25 x 64 / 8
     assert hot_capacity(10, 8, 125) == 1  # rounded down: 1.72
     assert hot_capacity(10, 8, 0) is None and hot_capacity(10, 0, 125) is None
+    assert cheap_copy_tokens(400_000) == 12_500  # 1/32 of the default cache
 
 
 def test_a_hot_prefix_loses_its_credit_on_an_instance_over_its_share() -> None:
@@ -200,16 +203,28 @@ def test_a_hot_prefix_loses_its_credit_on_an_instance_over_its_share() -> None:
     room = hot_room([(inflight.get, 1.0), (routed.get, 1.0)], 3, 125)  # capacities 1, 1
     assert room is not None and not room("busy") and not room("spare")
     assert hot_room([(inflight.get, 1.0)], 3, 0) is None  # off
-    out = guarded_cached_tokens(cached, lambda _: 0.0, 0.0, 10_000, 3000, lambda i: i == "spare")
+    spare_only = lambda i: i == "spare"  # noqa: E731
+    out = guarded_cached_tokens(cached, lambda _: 0.0, 0.0, 10_000, 3000, spare_only, 8000)
     assert out == {"spare": 8000, "turn": 8000}  # turn is not hot: no share applies
-    assert guarded_cached_tokens(cached, lambda _: 0.0, 0.0, 10_000, 3000, None) == cached
+    assert guarded_cached_tokens(cached, lambda _: 0.0, 0.0, 10_000, 3000, None, 8000) == cached
+    # A long prefix (over the cheap copy) keeps its credit unless it is popular.
+    assert guarded_cached_tokens(cached, lambda _: 0.0, 0.0, 10_000, 3000, spare_only, 7999) == (
+        cached
+    )
+    popular = CachedTokens(cached, hot=cached.hot, popular={"busy"})
+    out = guarded_cached_tokens(popular, lambda _: 0.0, 0.0, 10_000, 3000, spare_only, 7999)
+    assert out == {"spare": 8000, "turn": 8000}
 
 
 def test_hot_instances_look_at_each_deepest_credited_block() -> None:
     hot = HotPrefixes(1000)
     blocks = ["h1", "h2", "h3"]
     hot.note(["h2", "other"], 0)  # h2 inside a prompt
-    assert hot_instances({"a": 2, "b": 3, "c": 0}, blocks, hot, 10) == {"a"}
+    assert hot_instances({"a": 2, "b": 3, "c": 0}, blocks, hot, 10) == ({"a"}, set())
+    for t in range(1, 4):
+        hot.note(["h2", f"other{t}"], t)  # inside 4 prompts: popular
+    assert hot_instances({"a": 2, "b": 3}, blocks, hot, 10) == ({"a"}, {"a"})
+    assert hot.popularity("h2", 10) == POPULAR_COUNT
 
 
 def test_hot_instances_tell_a_next_turn_from_another_prompt_by_the_text() -> None:
@@ -223,8 +238,8 @@ def test_hot_instances_tell_a_next_turn_from_another_prompt_by_the_text() -> Non
     other = block_hashes(system + "user: something else", KEY, 16, 8)
     assert turn[:2] == other[:2] == list(first)
     # the holder of both blocks: the next turn is not hot, another prompt is
-    assert hot_instances({"i0": 2}, turn, hot, 1) == set()
-    assert hot_instances({"i0": 2}, other, hot, 1) == {"i0"}
+    assert hot_instances({"i0": 2}, turn, hot, 1) == (set(), set())
+    assert hot_instances({"i0": 2}, other, hot, 1) == ({"i0"}, set())
 
 
 def test_bounded_loads_apply_only_while_an_instance_is_idle() -> None:
