@@ -21,10 +21,11 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from coordinator.tokens import CHARS_PER_TOKEN, content_text
 
+V = TypeVar("V")
 DIGEST_BYTES = 8  # 64-bit block hashes: 16 hex characters in Redis
 # Separators that cannot occur inside a role name, so role/content splits are unambiguous.
 ROLE_END, MESSAGE_END = "\x1f", "\x1e"
@@ -159,18 +160,17 @@ class CachedTokens(dict[str, int]):
         self.popular: frozenset[str] = frozenset(popular)
 
 
-class RecentCounts:
-    """How often one node saw each key lately: two generations of counts, each
-    `window_ms` long at most (and at most `max_size` keys), so a key counts from
-    `window_ms` to twice that after it was seen. Node-local and approximate on purpose.
-    A `window_ms` of 0 or less counts nothing."""
+class _Window(Generic[V]):
+    """Values per key for one node, in two generations, each `window_ms` long at most
+    (and at most `max_size` keys): a key stays from `window_ms` to twice that after it
+    was last written. Node-local and approximate on purpose. A `window_ms` of 0 or
+    less keeps nothing."""
 
     def __init__(self, window_ms: float, max_size: int = 65_536) -> None:
         self.window_ms = window_ms
         self.max_size = max_size
-        self._current: dict[Hashable, int] = {}
-        self._previous: dict[Hashable, int] = {}
-        self._totals = [0, 0]  # current, previous
+        self._current: dict[Hashable, V] = {}
+        self._previous: dict[Hashable, V] = {}
         self._started_ms: float | None = None
 
     def _age(self, now_ms: float) -> None:
@@ -178,12 +178,15 @@ class RecentCounts:
             self._started_ms = now_ms
         elapsed = now_ms - self._started_ms
         if elapsed >= 2 * self.window_ms:
-            self._current, self._previous, self._totals = {}, {}, [0, 0]
+            self._current, self._previous = {}, {}
             self._started_ms = now_ms
         elif elapsed >= self.window_ms or len(self._current) >= self.max_size:
             self._current, self._previous = {}, self._current
-            self._totals = [0, self._totals[0]]
             self._started_ms = now_ms
+
+
+class RecentCounts(_Window[int]):
+    """How often one node saw each key lately (see `_Window`)."""
 
     def note(self, keys: Iterable[Hashable], now_ms: float) -> None:
         """Count each of `keys` once at `now_ms`."""
@@ -193,7 +196,6 @@ class RecentCounts:
         current = self._current
         for key in keys:
             current[key] = current.get(key, 0) + 1
-            self._totals[0] += 1
 
     def count(self, key: Hashable, now_ms: float) -> int:
         """How often `key` was seen within the window."""
@@ -207,14 +209,14 @@ class RecentCounts:
         if self.window_ms <= 0:
             return 0
         self._age(now_ms)
-        return self._totals[0] + self._totals[1]
+        return sum(self._current.values()) + sum(self._previous.values())
 
 
 def _digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
 
 
-class HotPrefixes:
+class HotPrefixes(_Window[list[Any]]):
     """The block hashes one node routed recently: what makes a prefix popular *now*.
 
     A block is hot once this node routed it for two different prompts within the
@@ -229,24 +231,7 @@ class HotPrefixes:
     simulator's trace blocks) continues whatever came before.
     """
 
-    def __init__(self, window_ms: float, max_size: int = 65_536) -> None:
-        self.window_ms = window_ms
-        self.max_size = max_size
-        # block -> [distinct prompts, tail length, tail digest] (length -1: no tail yet)
-        self._current: dict[Hashable, list[Any]] = {}
-        self._previous: dict[Hashable, list[Any]] = {}
-        self._started_ms: float | None = None
-
-    def _age(self, now_ms: float) -> None:
-        if self._started_ms is None:
-            self._started_ms = now_ms
-        elapsed = now_ms - self._started_ms
-        if elapsed >= 2 * self.window_ms:
-            self._current, self._previous = {}, {}
-            self._started_ms = now_ms
-        elif elapsed >= self.window_ms or len(self._current) >= self.max_size:
-            self._current, self._previous = {}, self._current
-            self._started_ms = now_ms
+    # values: block -> [distinct prompts, tail length, tail digest] (length -1: no tail)
 
     def _seen(self, block: Hashable) -> tuple[int, int, bytes | None]:
         """Distinct prompts through `block` in both generations, and the newest tail."""
