@@ -329,9 +329,9 @@ def hot_room(
     one of `loads` ((load of an instance, total of the pool) pairs): within
     `hot_capacity` of each. None when the rule is off. An instance whose load is not
     known has no room."""
-    capacities = [(load_of, hot_capacity(total, instances, load_pct)) for load_of, total in loads]
     if load_pct <= 0 or instances <= 0:
         return None
+    capacities = [(load_of, hot_capacity(total, instances, load_pct)) for load_of, total in loads]
 
     def room(iid: str) -> bool:
         for load_of, capacity in capacities:
@@ -371,8 +371,8 @@ def guarded_cached_tokens(
     floor_backlog_ms: float,
     guard_ms: int,
     hot_guard_ms: int = 0,
-    hot_room: Callable[[str], bool] | None = None,
-    cheap_copy_tokens: int = 0,
+    room: Callable[[str], bool] | None = None,
+    cheap_copy: int = 0,
 ) -> dict[str, int]:
     """The hot-spot guard: cache credit fades as an instance gets busier than the least
     busy candidate, and is gone once it is `guard_ms` of backlog ahead (`hot_guard_ms`
@@ -400,13 +400,13 @@ def guarded_cached_tokens(
     Backlog alone does not spread a popular prefix while the fleet is lightly loaded:
     a shared system prompt's holder stays within any backlog distance of the idlest
     instance (and has few requests in flight), and takes every conversation's first
-    turn while the others idle. So a hot prefix's credit also needs `hot_room` (see
+    turn while the others idle. So a hot prefix's credit also needs `room` (see
     `hot_room()`, the bounded-loads rule): the nodes give it the requests in flight
     in the pool and those the node routed lately. A holder over its share loses the
     credit, the request goes where the load is, and that instance holds the prefix
-    from then on. Only where that copy pays: a short prefix (at most
-    `cheap_copy_tokens`, a small share of a cache) or a popular one (`CachedTokens.
-    popular`, whose copy serves the requests to come). A long prefix that went under
+    from then on. Only where that copy pays: a short prefix (at most `cheap_copy`
+    tokens, a small share of a cache: `cheap_copy_tokens()`) or a popular one
+    (`CachedTokens.popular`, whose copy serves the requests to come). A long prefix that went under
     one other prompt stays with its holder under the backlog guard: copying it would
     evict a large share of another cache for a request or two.
     Conversations' next turns are not hot (`HotPrefixes`) and keep their holder.
@@ -424,9 +424,9 @@ def guarded_cached_tokens(
             continue
         if (
             iid in hot
-            and hot_room is not None
-            and (tokens <= cheap_copy_tokens or iid in popular)
-            and not hot_room(iid)
+            and room is not None
+            and (tokens <= cheap_copy or iid in popular)
+            and not room(iid)
         ):
             continue
         distance = hot_guard_ms if iid in hot and hot_guard_ms > 0 else guard_ms
