@@ -134,9 +134,10 @@ class Settings:
     prefix_record_stride: int = 8  # index every Nth block of a prompt and its last; 1 = all
     prefix_guard_ms: int = 10_000  # cache credit fades over this much extra backlog; 0 = off
     prefix_hot_guard_ms: int = 3_000  # the same for a hot prefix (0: prefix_guard_ms)
-    prefix_hot_ms: int = 3_000  # a prefix this node routed this recently is hot; 0 = none
-    # A hot prefix's credit only on instances with fewer requests in flight than this
-    # percentage of the mean (bounded loads); 0 = off.
+    prefix_hot_ms: int = 3_000  # routed this recently under another prompt: hot; 0 = none
+    # While an instance is idle, a short or popular hot prefix keeps its credit only on
+    # instances within this percentage of their share of requests (bounded loads,
+    # coordinator/prefix.py idle_fleet_room); 0 = off.
     prefix_hot_load_pct: int = 125
     # Learned timing (coordinator/timing.py; README "Prediction sources").
     timing_flush_ms: int = 2_000  # how often a node merges its samples and reads the pool's

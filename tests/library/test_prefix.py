@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from coordinator.errors import InvalidArgumentError
 from coordinator.prefix import (
     POPULAR_COUNT,
     CachedTokens,
@@ -23,6 +25,7 @@ from coordinator.prefix import (
     parse_owners,
     salt_key,
 )
+from coordinator.settings import Settings
 
 KEY = salt_key("pool", "")
 
@@ -252,3 +255,11 @@ def test_bounded_loads_apply_only_while_an_instance_is_idle() -> None:
     # in flight: capacity floor(1.25 x 2 / 3) -> 1; routed: floor(1.25 x 5 / 3) = 2
     assert room is not None and not room("i0") and room("i1") and room("i2")
     assert idle_fleet_room(idle, routes, 1, 0) is None  # off
+
+
+def test_the_bounded_loads_share_is_off_or_at_least_the_mean() -> None:
+    assert Settings(prefix_hot_load_pct=0).prefix_hot_load_pct == 0
+    assert Settings(prefix_hot_load_pct=100).prefix_hot_load_pct == 100
+    for bad in (50, 1001, -1):
+        with pytest.raises(InvalidArgumentError, match="prefix_hot_load_pct"):
+            Settings(prefix_hot_load_pct=bad)
