@@ -454,3 +454,32 @@ async def test_an_index_without_its_about_field_gets_it_on_a_sampled_record(
     for _ in range(SAMPLE_EVERY):
         await c.prefix.record("i0", hashes(c, "b"))
     assert len(await c.redis.hget(c.keys.prefix_owners(), "#about")) > 64
+
+
+async def test_reserve_spreads_a_short_hot_prefix_while_an_instance_is_idle(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Bounded loads (coordinator/prefix.py idle_fleet_room): i0 holds a hot prefix and
+    has one request in flight, i1 and i2 are idle. A short prefix (under 1/32 of a
+    cache) goes where the load is; with the rule off, a long one, or nobody idle, it
+    stays with its holder."""
+    fields = {"prefill_ms_per_token": 0.1, "prefill_overhead_ms": 5.0}
+    for pct, short_goes_to in ((125, {"i1", "i2"}), (0, {"i0"})):
+        c = await make_coordinator(f"n-bounded-{pct}", prefix_hot_load_pct=pct)
+        for i in range(3):
+            await c.register_instance(spec(i, **fields))
+        await c.refresh()
+        busy = await c.reserve(100, 1, exclude=["i1", "i2"])
+        for tokens, prompt, expected in ((2000, 4000, short_goes_to), (20_000, 30_000, {"i0"})):
+            cached = CachedTokens({"i0": tokens}, hot={"i0"})
+            res = await c.reserve(prompt, 1, cached_tokens=cached)
+            assert res.instance_id in expected, (pct, tokens)
+            await c.release(res.rid)
+        # nobody idle (i0 has 2 in flight, i1 and i2 one each: i0 is over its share, as
+        # it was above): the rule does not apply, the credit keeps the request on i0
+        others = [await c.reserve(100, 1, exclude=[f"i{j}" for j in range(3) if j != k])
+                  for k in (0, 1, 2)]  # fmt: skip
+        res = await c.reserve(4000, 1, cached_tokens=CachedTokens({"i0": 2000}, hot={"i0"}))
+        assert res.instance_id == "i0"
+        for r in (res, *others, busy):
+            await c.release(r.rid)
