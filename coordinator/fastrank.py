@@ -205,7 +205,7 @@ class ColumnarPool:
         sel: slice | Positions = slice(None)
         count = n
         if not every:
-            mask = (now - c["last_seen"] <= instance_ttl_ms) & self._mixed
+            mask = self._alive_mixed(now, instance_ttl_ms)
             if room_only:
                 mask &= self._room
             count = int(np.count_nonzero(mask))
@@ -311,7 +311,7 @@ class ColumnarPool:
         `ids` (those known and alive), in ms: what the prefix hot-spot guard compares."""
         self.sync(cache)
         c = self._cols
-        mask = (now - c["last_seen"] <= instance_ttl_ms) & self._mixed
+        mask = self._alive_mixed(now, instance_ttl_ms)
         backlog = np.where(mask, np.maximum(0.0, c["due"] - now), NAN)
         known = backlog[~np.isnan(backlog)]
         floor = float(known.min()) if known.size else None
@@ -326,10 +326,13 @@ class ColumnarPool:
         """Requests in flight per alive mixed instance: what the bounded-loads rule for
         hot prefixes compares (coordinator/prefix.py `idle_fleet_room`)."""
         self.sync(cache)
-        c = self._cols
-        mask = (now - c["last_seen"] <= instance_ttl_ms) & self._mixed
-        column = c["inflight"]
+        mask = self._alive_mixed(now, instance_ttl_ms)
+        column = self._cols["inflight"]
         return {iid: float(column[i]) for iid, i in self.index.items() if mask[i]}
+
+    def _alive_mixed(self, now: int, instance_ttl_ms: int) -> Bools:
+        """The rows seen within the liveness TTL that serve both phases."""
+        return (now - self._cols["last_seen"] <= instance_ttl_ms) & self._mixed
 
     def _prefill_ms(self, request: RequestShape) -> Floats:
         """InstanceSpec.prefill_ms of each row's uncached prompt, as a column (kept for
