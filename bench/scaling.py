@@ -170,8 +170,8 @@ class RawPool:
         return out
 
     def register(self, specs: Iterable[InstanceSpec]) -> list[Any]:
-        lru = (self.keys.prefix_lru(),)
-        return self.many("register", (([s.id, s.to_json(), s.max_slots, 0], lru) for s in specs))
+        index = (self.keys.prefix_index(),)
+        return self.many("register", (([s.id, s.to_json(), s.max_slots, 0], index) for s in specs))
 
     def close(self) -> None:
         self.client.close()

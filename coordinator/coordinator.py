@@ -57,7 +57,7 @@ from coordinator.packed import NO_SLOT, as_text, pack_candidate
 from coordinator.prefix import cheap_copy_tokens, guarded_cached_tokens, idle_fleet_room
 from coordinator.prefix_index import PrefixIndex
 from coordinator.pressure import instance_load
-from coordinator.scripts import Scripts
+from coordinator.scripts import OWN_KEYS, Scripts
 from coordinator.settings import STRATEGIES, Settings
 from coordinator.snapshot import PoolCache, Snapshot
 from coordinator.strategies import Ranking, RoundRobin, eligible, rank
@@ -236,7 +236,6 @@ class Coordinator:
             self._call,
             self._epoch_of,
             self._prefix_capacity,
-            UNAVAILABLE,
             lambda: self._degraded,
         )
 
@@ -1541,8 +1540,8 @@ class Coordinator:
         """Run one script with its errors mapped (no degraded-mode bookkeeping)."""
         script = self.scripts[name]
         if name == "register":  # a new id continues above its prefix entries' epoch
-            extra = (self.keys.prefix_lru(),)
-        keys = [*self._columns, *extra]
+            extra = (self.keys.prefix_index(),)
+        keys = list(extra) if name in OWN_KEYS else [*self._columns, *extra]
         run = self._read_state if name == "read_state" else script
         try:
             for _ in range(NOSCRIPT_RETRIES):

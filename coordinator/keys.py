@@ -80,14 +80,15 @@ class PoolKeys:
         (see lua/record_outcome.lua)."""
         return f"{self.stem}:ejected"
 
-    def prefix_owners(self) -> str:
-        """Hash block hash -> "<id>|<epoch>|<stamp>|<weight>" owners, and the counts
-        "<id>#<epoch>" -> blocks held and "#calls" (see lua/record_prefix.lua)."""
-        return f"{self.stem}:prefix_owners"
+    def prefix_index(self) -> str:
+        """Hash of the prefix index: block hash -> "<id>|<position>" owners, "<id>#" ->
+        "<epoch> <base> <count> <capacity>", "#top", "#about" (see lua/record_prefix.lua)."""
+        return f"{self.stem}:prefix_index"
 
-    def prefix_lru(self) -> str:
-        """Lex zset "<id>#<epoch>|<stamp>|<weight>|<hash>": each instance's entries, LRU."""
-        return f"{self.stem}:prefix_lru"
+    def legacy_prefix_keys(self) -> tuple[str, str]:
+        """The prefix index as earlier versions kept it (an owners hash and an LRU zset):
+        read by nothing, unlinked by the next sampled record (lua/record_prefix.lua)."""
+        return f"{self.stem}:prefix_owners", f"{self.stem}:prefix_lru"
 
     def timing(self) -> str:
         """Hash of learned timing and output length (coordinator/timing.py records)."""

@@ -105,37 +105,6 @@ def block_tokens(block_chars: int) -> int:
     return max(1, block_chars // CHARS_PER_TOKEN)
 
 
-def parse_owners(raw: str) -> list[tuple[str, int]]:
-    """The (instance id, epoch) entries of one owners value ("<id>|<epoch>|<stamp> ...")."""
-    out = []
-    for entry in raw.split():
-        owner, _, rest = entry.partition("|")
-        epoch, _, _stamp = rest.partition("|")
-        if owner and epoch.isdigit():
-            out.append((owner, int(epoch)))
-    return out
-
-
-def cached_blocks(
-    owner_values: Sequence[str | None], epoch_of: Callable[[str], int | None]
-) -> dict[str, int]:
-    """Blocks of the prompt each instance holds, from the owners of its blocks in order.
-
-    An instance holding block i holds the prompt up to the end of block i: the hash
-    chains over everything before it, and an engine's cache drops a prefix's tail
-    before its head. So the credit is the deepest block held, even where shallower
-    entries of the index were evicted first (a node refreshes only the blocks it
-    adds, see `PrefixIndex.record`). An entry counts only at the instance's current
-    epoch: a restart empties the engine's cache, and so voids the index at once.
-    """
-    held: dict[str, int] = {}
-    for position in range(len(owner_values) - 1, -1, -1):
-        for owner, epoch in parse_owners(owner_values[position] or ""):
-            if owner not in held and epoch_of(owner) == epoch:
-                held[owner] = position + 1
-    return held
-
-
 class CachedTokens(dict[str, int]):
     """Expected cached prompt tokens per instance (a plain dict to everything that
     reads it), and `hot`: the instances whose credited prefix is hot, i.e. this node

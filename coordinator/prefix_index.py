@@ -1,13 +1,25 @@
-"""The fleet-shared, approximate prefix index of one pool (lua/record_prefix.lua).
+"""The fleet-shared, approximate prefix index of one pool (coordinator/prefix_entries.py
+says its format in Redis and what it means).
 
-At decision time a node asks how many leading blocks of the prompt each instance
-holds: one HMGET of at most `prefix_max_blocks` fields, whatever the pool size, and
-the epochs come from the node's own snapshot cache. After the choice, it records the
-prompt's blocks against the chosen instance: one bounded script call, with an entry
-every `prefix_record_stride` blocks and at the prompt's last block only (see
-`recorded_entries`), which keeps its Redis work to a few entries per request. Both degrade
-to "nothing cached" / "nothing recorded" while Redis is unreachable: affinity is an
-optimization, never a reason to fail a request.
+Each Redis round trip costs the server more than the commands in it (a PING took
+30-40 µs of its CPU on the 2-core machine of docs/benchmarks.md), and a Lua script
+pays for every string that crosses into it and back. So per request, in the steady
+state, the index costs two round trips of small work, whatever the pool's size:
+
+- at decision time, one HMGET of the prompt's blocks (at most `prefix_max_blocks`
+  fields). Validity needs the counts of the instances named: the node keeps those it
+  read or wrote within `COUNT_FRESH_MS`, and reads the others in one more HMGET. The
+  epochs and capacities come from the node's own snapshot cache.
+- after the choice (off the request's path), one `record_prefix` call (HINCRBY of the
+  instance's count, an HMGET and an HSET of the blocks it records): an entry every
+  `prefix_record_stride` blocks and at the prompt's last block only (see
+  `recorded_entries`), a few fields per request.
+- one record in `SAMPLE_EVERY` also reclaims the invalid entries among random fields
+  (plain commands, three round trips).
+
+Lookup and record degrade to "nothing cached" / "nothing recorded" while Redis is
+unreachable or refuses writes: affinity is an optimization, never a reason to fail a
+request.
 """
 
 from __future__ import annotations
@@ -15,6 +27,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from coordinator.errors import CoordinationUnavailableError
 from coordinator.keys import PoolKeys
@@ -25,15 +39,35 @@ from coordinator.prefix import (
     RecentCounts,
     block_hashes,
     block_tokens,
-    cached_blocks,
     canonical_prompt,
     hot_instances,
     salt_key,
 )
+from coordinator.prefix_entries import (
+    ABOUT,
+    cached_blocks,
+    current_stems,
+    reclaimed,
+    sampled_names,
+    stem,
+)
 from coordinator.settings import Settings
 
-SAMPLE_EVERY = 8  # one record call in this many also reclaims void entries (a sample)
+SAMPLE_EVERY = 16  # one record in this many also reclaims invalid entries
+# Fields such a record samples per entry it writes: twice what the node's records add
+# between samples, so at most about half of the index is invalid at any time (each
+# sample reclaims the invalid share of what it reads).
+SAMPLE_PER_ENTRY = 2 * SAMPLE_EVERY
+MAX_SAMPLE = 1024  # fields one record samples, at most
+# A count this node read or wrote within this long stands for the instance's count at
+# a lookup: counts only grow, so an entry newer than it is taken as valid, and one
+# older may be credited though the blocks recorded since (by other nodes, within this
+# window) pushed it out of the capacity.
+COUNT_FRESH_MS = 1000.0
+COUNTS_KEPT = 4096  # counts remembered before the stale ones are dropped
 CallScript = Callable[[str, list[Any], tuple[str | bytes, ...]], Any]
+# What a failed index read or write can raise: affinity then waits for Redis.
+FAILURES = (RedisError, OSError, TimeoutError)
 
 
 class PrefixIndex:
@@ -47,7 +81,6 @@ class PrefixIndex:
         call: CallScript,
         epoch_of: Callable[[str], int | None],
         capacity_tokens: Callable[[str], int | None],
-        unavailable: tuple[type[BaseException], ...],
         degraded: Callable[[], bool],
     ) -> None:
         self._redis = redis
@@ -55,16 +88,17 @@ class PrefixIndex:
         self._call = call
         self._epoch_of = epoch_of
         self._capacity_tokens = capacity_tokens
-        self._unavailable = unavailable
         self._degraded = degraded
         self._key = salt_key(keys.pool, settings.prefix_salt)
-        self._owners = keys.prefix_owners()
-        self._lru = keys.prefix_lru()
+        self._index = keys.prefix_index()
+        self._epochs = keys.column("epoch")
+        self._legacy = keys.legacy_prefix_keys()
         self.block_tokens = block_tokens(settings.prefix_block_chars)
         # Expected cached tokens per instance of the last request this node looked up
         # (numbers only), for /debug/instance_loads and the dashboard.
         self.last_lookup: dict[str, int] = {}
         self._records = 0
+        self._counts_seen: dict[str, tuple[int, float]] = {}  # stem -> (count, when ms)
         # The prefixes this node routed moments ago: only those are hot-spot guarded,
         # and the instances it routed to then (the bounded-loads rule's counts).
         self.hot = HotPrefixes(settings.prefix_hot_ms)
@@ -84,6 +118,14 @@ class PrefixIndex:
             canonical_prompt(body), self._key, s.prefix_block_chars, s.prefix_max_blocks
         )
 
+    def capacity_blocks(self, instance_id: str) -> int:
+        """Blocks an instance's cache holds: its spec's prefix_cache_tokens, else the
+        node's default."""
+        tokens = self._capacity_tokens(instance_id)
+        if tokens is None:
+            tokens = self._settings.prefix_cache_tokens
+        return tokens // self.block_tokens
+
     async def cached_tokens(self, hashes: Sequence[str]) -> dict[str, int]:
         """Expected cached prompt tokens per instance (instances with none are absent).
 
@@ -94,28 +136,57 @@ class PrefixIndex:
         if not hashes or self._degraded():
             return {}  # degraded: no Redis round trip (and no timeout) per request
         try:
-            values = await self._redis.hmget(self._owners, list(hashes))
-        except self._unavailable:
-            return {}  # the reserve that follows notices the outage and degrades
-        owners = [None if v is None else v.decode() if isinstance(v, bytes) else v for v in values]
-        held = cached_blocks(owners, self._epoch_of)
+            values = _texts(await self._redis.hmget(self._index, list(hashes)))
+            counts = await self._known_counts(current_stems(values, self._epoch_of))
+        except FAILURES:
+            return {}  # the reserve that follows notices an outage and degrades
+        held = cached_blocks(values, counts, self._epoch_of, self.capacity_blocks)
         tokens = {iid: blocks * self.block_tokens for iid, blocks in held.items()}
         self.last_lookup = tokens
         hot, popular = hot_instances(held, hashes, self.hot, time.monotonic() * 1000)
         return CachedTokens(tokens, hot, popular)
+
+    async def _known_counts(self, stems: Sequence[str]) -> dict[str, int | None]:
+        """The counts of these stems as a lookup takes them: those seen within
+        COUNT_FRESH_MS, the others read (one HMGET). A count seen earlier is a floor
+        of the real one: an entry above it is newer, and valid."""
+        now = time.monotonic() * 1000
+        out: dict[str, int | None] = {}
+        missing = []
+        for s in stems:
+            seen = self._counts_seen.get(s)
+            if seen is not None and now - seen[1] <= COUNT_FRESH_MS:
+                out[s] = seen[0]
+            else:
+                missing.append(s)
+        for s, count in (await self._counts(missing)).items():
+            out[s] = count
+            if count is not None:
+                self._saw(s, count, now)
+        return out
+
+    def _saw(self, stem_: str, count: int, now: float) -> None:
+        if len(self._counts_seen) >= COUNTS_KEPT:
+            self._counts_seen = {
+                s: v for s, v in self._counts_seen.items() if now - v[1] <= COUNT_FRESH_MS
+            }
+        self._counts_seen[stem_] = (count, now)
+
+    async def _counts(self, stems: Sequence[str]) -> dict[str, int | None]:
+        if not stems:
+            return {}
+        values = await self._redis.hmget(self._index, list(stems))
+        return {s: None if v is None else int(v) for s, v in zip(stems, values, strict=True)}
 
     async def index_tokens(self, instances: Sequence[tuple[str, int]]) -> dict[str, int]:
         """Tokens the index holds per (instance id, epoch): one HMGET of their counts.
 
         For debug views and `coordinator inspect`, never on the request path.
         """
-        if not instances:
-            return {}
-        fields = [f"{iid}#{epoch:010d}" for iid, epoch in instances]
-        counts = await self._redis.hmget(self._owners, fields)
+        counts = await self._counts([stem(iid, epoch) for iid, epoch in instances])
         return {
-            iid: int(n or 0) * self.block_tokens
-            for (iid, _), n in zip(instances, counts, strict=True)
+            iid: min(counts[stem(iid, epoch)] or 0, self.capacity_blocks(iid)) * self.block_tokens
+            for iid, epoch in instances
         }
 
     def routed(self, instance_id: str, hashes: Sequence[str]) -> None:
@@ -137,40 +208,62 @@ class PrefixIndex:
         in constant use, so the index must not evict it as the oldest. Of the new
         blocks, only every `prefix_record_stride`-th and the last get an entry.
         """
-        if not hashes:
+        epoch = self._epoch_of(instance_id)
+        if not hashes or epoch is None or self.capacity_blocks(instance_id) <= 0:
             return
         held = held_tokens // self.block_tokens
         entries = recorded_entries(len(hashes), held, self._settings.prefix_record_stride)
-        capacity = self._capacity_tokens(instance_id)
-        if capacity is None:
-            capacity = self._settings.prefix_cache_tokens
-        self._records += 1
-        sample = int(self._records % SAMPLE_EVERY == 1)
-        args = [
-            instance_id,
-            capacity // self.block_tokens,
-            self._settings.prefix_max_owners,
-            sample,
-        ]
+        head = stem(instance_id, epoch)
+        args: list[Any] = [head, self._settings.prefix_max_owners]
         for position, weight in entries:
             args += [hashes[position - 1], weight]
+        self._records += 1
         try:
-            await self._call("record_prefix", args, (self._owners, self._lru))
-        except CoordinationUnavailableError:
-            pass  # degraded: nothing to record into; the index is approximate anyway
+            count = await self._call("record_prefix", args, (self._index,))
+            self._saw(head, int(count), time.monotonic() * 1000)
+            if self._records % SAMPLE_EVERY == 1:
+                await self._reclaim(min(MAX_SAMPLE, SAMPLE_PER_ENTRY * len(entries)))
+        except (CoordinationUnavailableError, *FAILURES):
+            pass  # nothing recorded (or reclaimed): the index is approximate anyway
+
+    async def _reclaim(self, sample: int) -> None:
+        """Reclaim the invalid entries among `sample` random fields of the index, and
+        unlink what earlier versions kept. Two round trips and a write; a record
+        written meanwhile into a rewritten field can be lost (a missed credit)."""
+        flat = _texts(await self._redis.hrandfield(self._index, sample, withvalues=True))
+        sampled = [(str(flat[k]), str(flat[k + 1])) for k in range(0, len(flat) - 1, 2)]
+        owners, stems = sampled_names(sampled)
+        epochs: dict[str, int | None] = {}
+        if owners:
+            values = await self._redis.hmget(self._epochs, owners)
+            epochs = {o: None if v is None else int(v) for o, v in zip(owners, values, strict=True)}
+        counts = await self._counts(stems)
+        dels, sets = reclaimed(sampled, epochs, counts, self.capacity_blocks)
+        pipe = self._redis.pipeline(transaction=False)
+        if dels:
+            pipe.hdel(self._index, *dels)
+        if sets:
+            pipe.hset(self._index, mapping=sets)
+        pipe.hsetnx(self._index, "#about", ABOUT)
+        pipe.unlink(*self._legacy)
+        await pipe.execute()
+
+
+def _texts(values: Sequence[str | bytes | None]) -> list[str | None]:
+    return [v.decode() if isinstance(v, bytes) else v for v in values]
 
 
 def recorded_entries(blocks: int, held: int, stride: int) -> list[tuple[int, int]]:
     """The (position, weight) entries a record of a `blocks`-block prompt writes, whose
     first `held` blocks the instance holds (positions from 1).
 
-    The deepest held block is refreshed (weight 0: it keeps its own); of the blocks
+    The deepest held block is refreshed (weight 0: it adds no block); of the blocks
     after it, every `stride`-th position and the last get an entry, weighted with the
     blocks since the previous entry. A block's hash covers its whole prefix, so an
     entry stands for all the blocks before it: a lookup credits the deepest entry an
     instance holds, at most `stride - 1` blocks short of what it holds (none short of
-    a whole recorded prompt, as a conversation's next turn asks), and the capacity
-    counts the weights, i.e. blocks.
+    a whole recorded prompt, as a conversation's next turn asks), and the instance's
+    count adds the weights, i.e. blocks.
     """
     held = min(max(held, 0), blocks)
     out = [(held, 0)] if held else []

@@ -34,6 +34,10 @@ SCRIPT_NAMES = (
     "merge_timing",
 )
 
+# Scripts given only their own keys, not the pool keys every other script takes first
+# (lua/_lib.lua): record_prefix runs once per request and reads none of them.
+OWN_KEYS = frozenset({"record_prefix"})
+
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # A top-level `local` statement of the prelude: a function or a list of names.
 _DEFINES = re.compile(r"local\s+function\s+(\w+)|local\s+([\w\s,]+?)\s*=")

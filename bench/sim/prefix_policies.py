@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import bisect
 import zlib
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -42,57 +41,42 @@ class SharedPrefixIndex:
         self.capacity_blocks = capacity_blocks
         self.max_owners = max_owners
         self.stride = stride
-        self._lru: dict[str, OrderedDict[Hashable, int]] = {}  # block -> weight
-        self._held: dict[str, int] = {}  # the weights of an instance's entries
-        self._owners: dict[Hashable, list[str]] = {}  # most recent last
+        self._count: dict[str, int] = {}  # blocks each instance's engine processed
+        self._owners: dict[Hashable, list[tuple[str, int]]] = {}  # most recent last
 
     def size(self, instance: str) -> int:
-        """Blocks the index holds for an instance (the weights of its entries)."""
-        return self._held.get(instance, 0)
+        """Blocks the index holds for an instance (at most its capacity)."""
+        return min(self._count.get(instance, 0), self.capacity_blocks)
 
-    def _drop(self, instance: str, block: Hashable) -> None:
-        self._held[instance] -= self._lru[instance].pop(block)
+    def _valid(self, instance: str, position: int) -> bool:
+        return self._count[instance] - position < self.capacity_blocks
 
     def record(self, instance: str, blocks: Sequence[Hashable], held: int = 0) -> None:
-        """The chosen instance now holds these blocks (LRU, bounded); `held` leading
-        blocks of them it held already (only the deepest of those is refreshed), and
-        of the others only every `stride`-th and the last get an entry."""
+        """The chosen instance processed these blocks; `held` leading blocks of them it
+        held already (only the deepest of those gets an entry again), and of the others
+        only every `stride`-th and the last get an entry. Each entry advances the
+        instance's count by the blocks it stands for, deepest first."""
         if self.capacity_blocks <= 0 or not blocks:
             return
-        lru = self._lru.setdefault(instance, OrderedDict())
-        self._held.setdefault(instance, 0)
-        entries = recorded_entries(len(blocks), held, self.stride)
-        for position, weight in reversed(entries):  # the deepest is the oldest
-            block = blocks[position - 1]
-            owners = self._owners.setdefault(block, [])
-            if instance in owners:
-                owners.remove(instance)
-                weight = weight or lru[block]
-                self._drop(instance, block)
-            while len(owners) >= self.max_owners:
-                self._drop(owners.pop(0), block)
-            owners.append(instance)
-            lru[block] = weight or 1
-            self._held[instance] += weight or 1
-        # The script lets an instance run up to 16 blocks over before evicting (its
-        # cost); below 8 blocks of capacity it evicts at once, as here always.
-        while self._held[instance] > self.capacity_blocks and lru:
-            block = next(iter(lru))
-            self._drop(instance, block)
-            owners = self._owners[block]
-            owners.remove(instance)
-            if not owners:
-                del self._owners[block]
+        count = self._count.get(instance, 0)
+        for position, weight in reversed(recorded_entries(len(blocks), held, self.stride)):
+            count += weight
+            owners = [o for o in self._owners.get(blocks[position - 1], ()) if o[0] != instance]
+            del owners[: max(0, len(owners) - self.max_owners + 1)]  # room for this entry
+            owners.append((instance, count))
+            self._owners[blocks[position - 1]] = owners
+        self._count[instance] = count
 
     def cached_blocks(
         self, blocks: Sequence[Hashable], max_blocks: int = 1 << 30
     ) -> dict[str, int]:
-        """Blocks each instance holds: its deepest block held (instances with none absent)."""
+        """Blocks each instance holds: its deepest valid entry (instances with none absent)."""
         held: dict[str, int] = {}
         looked = blocks[:max_blocks]
         for position in range(len(looked) - 1, -1, -1):
-            for owner in self._owners.get(looked[position], ()):
-                held.setdefault(owner, position + 1)
+            for owner, at in self._owners.get(looked[position], ()):
+                if owner not in held and self._valid(owner, at):
+                    held[owner] = position + 1
         return held
 
 

@@ -1,6 +1,7 @@
 -- register: upsert an instance; a higher epoch voids the old epoch's reservations.
 -- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
--- KEYS[17] = {pool}:prefix_lru (lua/record_prefix.lua), to read the id's highest epoch
+-- KEYS[17] = {pool}:prefix_index (coordinator/prefix_entries.py), to read the id's latest
+--   epoch with index entries
 -- ARGV[1] = instance id
 -- ARGV[2] = spec JSON (InstanceSpec without epoch): an object with this id and an
 --   http(s) url; its other fields are validated by the caller
@@ -31,13 +32,12 @@ if not stored then
   -- An id unregistered while void records of it remain continues above their epoch.
   local retired = tonumber(redis.call('HGET', K_RETIRED, id) or '0')
   if epoch == 0 then
-    -- An automatic epoch also continues above the id's prefix index entries (they
-    -- outlive its reservation records): at their epoch again, they would credit a
-    -- cache this engine may not hold. An explicit epoch names its engine: equal to
+    -- An automatic epoch also continues above the latest epoch the prefix index holds
+    -- entries of (they outlive the id's reservation records): at that epoch again,
+    -- they would credit a cache this engine may not hold. An explicit epoch names its engine: equal to
     -- theirs, it is the engine that holds them.
-    local last = redis.call('ZRANGE', KEYS[17], '(' .. id .. '$', '[' .. id .. '#', 'BYLEX',
-      'REV', 'LIMIT', 0, 1)[1]
-    if last then retired = math.max(retired, tonumber(string.match(last, '^.*#(%d+)|'))) end
+    local indexed = tonumber(redis.call('HGET', KEYS[17], id .. '#'))
+    if indexed then retired = math.max(retired, indexed) end
   end
   if epoch <= retired then epoch = retired + 1 end
 else

@@ -14,7 +14,6 @@ from coordinator.prefix import (
     PromptBlocks,
     RecentCounts,
     block_hashes,
-    cached_blocks,
     canonical_prompt,
     cheap_copy_tokens,
     guarded_cached_tokens,
@@ -22,7 +21,6 @@ from coordinator.prefix import (
     hot_instances,
     hot_room,
     idle_fleet_room,
-    parse_owners,
     salt_key,
 )
 from coordinator.settings import Settings
@@ -88,17 +86,6 @@ def test_completion_prompts_and_other_bodies() -> None:
     assert canonical_prompt({"prompt": ["first", "second"]}) == "first"
     assert canonical_prompt({"prompt": 5}) == ""
     assert canonical_prompt({}) == ""
-
-
-def test_cached_blocks_credits_the_deepest_block_held_at_the_current_epoch() -> None:
-    epochs = {"a": 1, "b": 2}.get
-    owners = ["a|1|9 b|2|9 c|1|9", "a|1|8 b|1|8", None, "a|1|7"]
-    # c is not registered and b's second block is from an older epoch: b holds 1
-    # block. a holds block 4, so the prompt up to its end (chained hashes), although
-    # the index lost its entry for block 3.
-    assert cached_blocks(owners, epochs) == {"a": 4, "b": 1}
-    assert cached_blocks([], epochs) == {}
-    assert parse_owners("x:y|3|12 bad z|q|1") == [("x:y", 3)]
 
 
 def test_guard_fades_credit_with_backlog_above_the_idlest() -> None:

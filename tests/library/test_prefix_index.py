@@ -1,4 +1,4 @@
-"""The shared prefix index (lua/record_prefix.lua, coordinator/prefix_index.py) against
+"""The shared prefix index (coordinator/prefix_index.py, lua/record_prefix.lua) against
 the real server and fakeredis (they must agree): lookup, bounds, epochs, privacy."""
 
 from __future__ import annotations
@@ -36,13 +36,15 @@ def hashes(c: Coordinator, *parts: str) -> list[str]:
 
 
 async def owners(c: Coordinator) -> dict[str, str]:
-    """The owners hash's block fields (its count fields have a '#')."""
-    values = await c.redis.hgetall(c.keys.prefix_owners())
+    """The index's block fields (its count fields have a '#')."""
+    values = await c.redis.hgetall(c.keys.prefix_index())
     return {str(k): str(v) for k, v in values.items() if "#" not in str(k)}
 
 
-async def lru_members(c: Coordinator) -> list[str]:
-    return [str(m) for m in await c.redis.zrange(c.keys.prefix_lru(), 0, -1)]
+async def counts(c: Coordinator) -> dict[str, str]:
+    """The index's count and latest-epoch fields ("<id>#<epoch>", "<id>#")."""
+    values = await c.redis.hgetall(c.keys.prefix_index())
+    return {str(k): str(v) for k, v in values.items() if "#" in str(k)[1:]}
 
 
 async def test_lookup_counts_the_leading_blocks_each_instance_holds(
@@ -66,9 +68,8 @@ async def test_capacity_bounds_an_instance_and_evicts_oldest_tails_first(
     c = await setup(make_coordinator, prefix_cache_tokens=4 * TOKENS)
     await c.prefix.record("i0", hashes(c, "a", "b", "c"))
     await c.prefix.record("i0", hashes(c, "x", "y"))
-    members = await lru_members(c)
-    assert len(members) == 4
-    assert len(await owners(c)) == 4
+    assert await c.prefix.index_tokens([("i0", 1)]) == {"i0": 4 * TOKENS}
+    assert await counts(c) == {"i0#1": "5", "i0#": "1"}
     # The older request lost its deepest block; its head is still held.
     assert await c.prefix.cached_tokens(hashes(c, "a", "b", "c")) == {"i0": 2 * TOKENS}
     assert await c.prefix.cached_tokens(hashes(c, "x", "y")) == {"i0": 2 * TOKENS}
@@ -80,8 +81,8 @@ async def test_recording_again_refreshes_instead_of_duplicating(
     c = await setup(make_coordinator)
     for _ in range(3):
         await c.prefix.record("i0", hashes(c, "a", "b"))
-    assert len(await lru_members(c)) == 2
-    assert all(value.count("i0|") == 1 for value in (await owners(c)).values())
+    values = await owners(c)
+    assert len(values) == 2 and all(value.count("i0#") == 1 for value in values.values())
 
 
 async def test_max_owners_keeps_the_most_recent_instances(
@@ -96,7 +97,7 @@ async def test_max_owners_keeps_the_most_recent_instances(
     for i in range(4):
         await c.prefix.record(f"i{i}", hashes(c, "a"))
     assert await c.prefix.cached_tokens(hashes(c, "a")) == {"i2": TOKENS, "i3": TOKENS}
-    assert len(await lru_members(c)) == 2
+    assert [v.split() for v in (await owners(c)).values()] == [["i2#1|1", "i3#1|1"]]
 
 
 async def test_epoch_bump_voids_at_once_and_storage_is_reclaimed(
@@ -107,16 +108,12 @@ async def test_epoch_bump_voids_at_once_and_storage_is_reclaimed(
     await c.register_instance(spec(0, epoch=2))
     await c.refresh()
     assert await c.prefix.cached_tokens(hashes(c, "a", "b")) == {}
-    # The node's next sampled record (one in SAMPLE_EVERY) reclaims the old epoch.
+    # The node's next sampled record (one in SAMPLE_EVERY, the first one included)
+    # reclaims the old epoch: this index is small enough to be sampled whole.
     for _ in range(SAMPLE_EVERY):
         await c.prefix.record("i0", hashes(c, "z"))
-    members = await lru_members(c)
-    assert len(members) == 1 and members[0].startswith("i0#0000000002|")
-    assert len(await owners(c)) == 1
-    counts = await c.redis.hgetall(c.keys.prefix_owners())
-    assert {k: v for k, v in counts.items() if "#" in k and k not in ("#calls", "#about")} == {
-        "i0#0000000002": "1"
-    }
+    assert list((await owners(c)).values()) == [f"i0#2|{SAMPLE_EVERY}"]
+    assert await counts(c) == {"i0#2": str(SAMPLE_EVERY), "i0#": "2"}
 
 
 async def test_an_unregistered_instance_is_reclaimed_by_later_records(
@@ -128,44 +125,41 @@ async def test_an_unregistered_instance_is_reclaimed_by_later_records(
     await c.unregister_instance("i1")
     await c.refresh()
     assert await c.prefix.cached_tokens(hashes(c, "a")) == {}
-    # Every 8th record samples one member; i1 holds 3 of 4, so this ends within a few
-    # samples (the chance that all 25 of 200 calls miss it is below 1e-15).
-    for _ in range(200):
-        if not any(m.startswith("i1#") for m in await lru_members(c)):
-            break
+    # The node's next sampled record reads this small index whole.
+    for _ in range(SAMPLE_EVERY):
         await c.prefix.record("i0", hashes(c, "q"))
-    assert [m.split("|")[0] for m in await lru_members(c)] == ["i0#0000000001"]
-    assert len(await owners(c)) == 1
+    assert list(await owners(c)) == hashes(c, "q")
+    # i1's count goes; its latest epoch stays, for an automatic epoch to continue above
+    assert await counts(c) == {"i0#1": str(SAMPLE_EVERY + 1), "i0#": "1", "i1#": "1"}
 
 
 async def test_nothing_but_hashes_and_ids_is_stored(make_coordinator: MakeCoordinator) -> None:
     c = await setup(make_coordinator)
     secret = "my password is hunter2 " * 20
     await c.prefix.record("i0", c.prefix.hashes({"prompt": secret}))
-    values = await c.redis.hgetall(c.keys.prefix_owners())
-    stored = " ".join([*values, *values.values(), *await lru_members(c)])
+    values = await c.redis.hgetall(c.keys.prefix_index())
+    stored = " ".join([*values, *values.values()])
     assert values and "hunter2" not in stored and "password" not in stored
 
 
 async def test_bad_arguments_are_refused(make_coordinator: MakeCoordinator) -> None:
     c = await setup(make_coordinator)
-    keys = (c.keys.prefix_owners(), c.keys.prefix_lru())
-    with pytest.raises(ScriptArgumentError):
-        await c._direct_call("record_prefix", ["i0", 10, 8, 0, "not-hex", 1], keys)
-    with pytest.raises(ScriptArgumentError):
-        await c._direct_call("record_prefix", ["i0", 10, 8, 0, "ab", 1, "", 1], keys)
-    with pytest.raises(ScriptArgumentError):
-        await c._direct_call("record_prefix", ["i0", 10, 8, 0, "ab cd", 1], keys)
-    with pytest.raises(ScriptArgumentError):
-        await c._direct_call("record_prefix", ["i0", 10, 8, 0, "ab"], keys)  # no weight
-    with pytest.raises(ScriptArgumentError):
-        await c._direct_call("record_prefix", ["i0", 10, 8, 0, "ab", 513], keys)
-    with pytest.raises(ScriptArgumentError):
-        await c._direct_call("record_prefix", ["i0", -1, 8, 0, "ab", 1], keys)
-    with pytest.raises(ScriptArgumentError):
-        await c._direct_call("record_prefix", ["i0", 10, 8, 2, "ab", 1], keys)
-    reply = await c._direct_call("record_prefix", ["nobody", 10, 8, 0, "ab", 1], keys)
-    assert [str(x) for x in reply] == ["gone"]
+    keys = (c.keys.prefix_index(),)
+    for args in (
+        ["i0#1", 8, "not-hex", 1],
+        ["i0#1", 8, "ab", 1, "", 1],
+        ["i0#1", 8, "ab cd", 1],
+        ["i0#1", 8, "ab"],  # no weight
+        ["i0#1", 8],  # no block
+        ["i0#1", 8, "ab", 513],
+        ["i0#1", 0, "ab", 1],
+        ["i0", 8, "ab", 1],  # no epoch
+        ["i 0#1", 8, "ab", 1],
+        ["i0#x", 8, "ab", 1],
+    ):
+        with pytest.raises(ScriptArgumentError):
+            await c._direct_call("record_prefix", list(args), keys)
+    assert not await c.redis.exists(c.keys.prefix_index())
 
 
 async def test_reserve_follows_the_cache_until_the_guard_says_it_is_too_busy(
@@ -259,17 +253,18 @@ async def test_a_follow_up_records_only_the_blocks_it_adds(
     follow_up = hashes(c, "a", "b", "c", "d", "e")
     held = (await c.prefix.cached_tokens(follow_up))["i0"]
     assert held == 3 * TOKENS
-    before = {m.rsplit("|", 1)[1]: m for m in await lru_members(c)}
+    before = await owners(c)
     await c.prefix.record("i0", follow_up, held)
-    after = {m.rsplit("|", 1)[1]: m for m in await lru_members(c)}
+    after = await owners(c)
     # The head it already had is untouched, its deepest block refreshed, two added.
     assert sorted(after) == sorted(follow_up)
     assert [after[h] == before[h] for h in first] == [True, True, False]
     assert await c.prefix.cached_tokens(follow_up) == {"i0": 5 * TOKENS}
-    # Nothing new: only the deepest block is refreshed.
+    # Nothing new: only the deepest block is refreshed, and the count stays.
     await c.prefix.record("i0", follow_up, 5 * TOKENS)
-    again = {m.rsplit("|", 1)[1]: m for m in await lru_members(c)}
+    again = await owners(c)
     assert [again[h] == after[h] for h in follow_up] == [True] * 4 + [False]
+    assert (await counts(c))["i0#1"] == "5"
 
 
 async def test_a_degraded_node_does_not_ask_redis(make_coordinator: MakeCoordinator) -> None:
@@ -331,9 +326,13 @@ async def test_a_prompt_in_constant_use_is_not_evicted_as_the_oldest(
     held = (await c.prefix.cached_tokens(hot))["i0"]
     assert held == 2 * TOKENS
     await c.prefix.record("i0", hot, held)  # the hot prompt again: a whole hit
-    await c.prefix.record("i0", hashes(c, "z", "w"))  # two over capacity: two evicted
+    await c.prefix.record("i0", hashes(c, "z", "w"))  # two over capacity
     assert await c.prefix.cached_tokens(hot) == {"i0": 2 * TOKENS}
+    # The refresh added no block: "x", "y" and the new two are the last four added.
+    assert await c.prefix.cached_tokens(hashes(c, "x", "y")) == {"i0": 2 * TOKENS}
+    await c.prefix.record("i0", hashes(c, "v"))  # one more: "y" falls out
     assert await c.prefix.cached_tokens(hashes(c, "x", "y")) == {"i0": TOKENS}
+    assert await c.prefix.cached_tokens(hot) == {"i0": 2 * TOKENS}
 
 
 def test_recorded_entries_are_every_stride_th_block_and_the_last() -> None:
@@ -351,10 +350,10 @@ async def test_a_strided_index_credits_the_deepest_entry_and_counts_blocks(
 ) -> None:
     c = await setup(make_coordinator, stride=8)
     parts = [chr(ord("a") + k) for k in range(20)]
-    await c.prefix.record("i0", hashes(c, *parts))
-    members = await lru_members(c)
-    # Entries at blocks 8, 16 and 20, weighing the blocks each stands for.
-    assert sorted(m.split("|")[2] for m in members) == ["4", "8", "8"]
+    whole = hashes(c, *parts)
+    await c.prefix.record("i0", whole)
+    # Entries at blocks 8, 16 and 20, at the counts their weights brought, deepest first.
+    assert await owners(c) == {whole[19]: "i0#1|4", whole[15]: "i0#1|12", whole[7]: "i0#1|20"}
     assert await c.prefix.cached_tokens(hashes(c, *parts)) == {"i0": 20 * TOKENS}
     # A prompt that leaves this one after 13 blocks: credited up to the entry at 8.
     assert await c.prefix.cached_tokens(hashes(c, *parts[:13], "z")) == {"i0": 8 * TOKENS}
@@ -365,16 +364,16 @@ async def test_a_strided_index_credits_the_deepest_entry_and_counts_blocks(
     assert held == 20 * TOKENS
     await c.prefix.record("i0", turn, held)
     assert await c.prefix.cached_tokens(turn) == {"i0": 23 * TOKENS}
-    # The refreshed entry kept its weight: the count is the prompt's blocks.
+    # The refresh added no block: the count is the prompt's blocks.
     assert await c.prefix.index_tokens([("i0", 1)]) == {"i0": 23 * TOKENS}
-    assert len(await lru_members(c)) == 4
+    assert len(await owners(c)) == 4
 
 
 async def test_a_strided_index_evicts_the_oldest_tails_within_its_capacity(
     make_coordinator: MakeCoordinator,
 ) -> None:
-    """Capacity counts blocks (the entries' weights), not entries; eviction takes
-    the oldest entry first, which is a prompt's tail."""
+    """Capacity counts blocks (the entries' weights), not entries; the oldest entry
+    falls out first, which is a prompt's tail."""
     c = await setup(make_coordinator, stride=4, prefix_cache_tokens=12 * TOKENS)
     first = hashes(c, *"abcdefgh")
     second = hashes(c, *"ijklmnop")
@@ -384,51 +383,24 @@ async def test_a_strided_index_evicts_the_oldest_tails_within_its_capacity(
     assert await c.prefix.index_tokens([("i0", 1)]) == {"i0": 12 * TOKENS}
     assert await c.prefix.cached_tokens(first) == {"i0": 4 * TOKENS}
     assert await c.prefix.cached_tokens(second) == {"i0": 8 * TOKENS}
-    for k in range(6):  # many more prompts: the count never passes the capacity
-        await c.prefix.record("i0", hashes(c, *f"q{k}rstuvw"))
-        count = (await c.prefix.index_tokens([("i0", 1)]))["i0"]
-        assert count <= 12 * TOKENS
-        weights = sum(int(m.split("|")[2]) for m in await lru_members(c))
-        assert weights * TOKENS == count
+    third = hashes(c, *"qrstuvwx")
+    await c.prefix.record("i0", third)  # 8 more: the first is out, the second's tail
     assert await c.prefix.cached_tokens(first) == {}
+    assert await c.prefix.cached_tokens(second) == {"i0": 4 * TOKENS}
+    assert await c.prefix.cached_tokens(third) == {"i0": 8 * TOKENS}
 
 
-async def test_entries_written_before_weights_are_replaced_not_leaked(
+async def test_a_sampled_record_unlinks_the_index_of_earlier_versions(
     make_coordinator: MakeCoordinator,
 ) -> None:
-    """An index left by the previous script: "<id>|<epoch>|<stamp>" owners, lru
-    members without a weight, the call count in meta. Recording over it replaces
-    those entries and stamps newer than theirs."""
+    """Earlier versions kept an owners hash and an LRU zset: read by nothing now, they
+    go with the node's first sampled record."""
     c = await setup(make_coordinator)
-    (h,) = hashes(c, "a")
-    await c.redis.hset(c.keys.prefix_owners(), h, "i0|1|7999")
-    await c.redis.zadd(c.keys.prefix_lru(), {f"i0#0000000001|00000000000007999|{h}": 0})
-    await c.redis.hset(c.keys.column("meta"), "prefix_calls", 7)
-    await c.prefix.record("i0", [h])
-    assert await lru_members(c) == [f"i0#0000000001|00000000000008999|1|{h}"]
-    assert (await owners(c))[h] == "i0|1|8999|1"
-    assert await c.prefix.index_tokens([("i0", 1)]) == {"i0": TOKENS}
-
-
-async def test_reclaiming_entries_written_before_weights_unlinks_only_them(
-    make_coordinator: MakeCoordinator,
-) -> None:
-    """Void entries of an older epoch in the previous script's format ("<id>|<epoch>|
-    <stamp>" owners, lru members without a weight) are reclaimed with their owners
-    entry; another instance's entry on the same block, whose id extends this one's,
-    stays."""
-    c = await setup(make_coordinator, n=11)
-    (h,) = hashes(c, "a")
-    await c.prefix.record("i10", [h])  # i10 at its current epoch (1)
-    old = {f"i1#0000000000|00000000000007999|{h}": 0}  # i1's epoch 0, before weights
-    await c.redis.zadd(c.keys.prefix_lru(), old)
-    await c.redis.hset(c.keys.prefix_owners(), h, f"i1|0|7999 {(await owners(c))[h]}")
-    # The node's next sampled record of i1 (one in SAMPLE_EVERY) reclaims its old epoch.
-    for _ in range(SAMPLE_EVERY):
-        await c.prefix.record("i1", hashes(c, "z"))
-    assert not any(m.startswith("i1#0000000000|") for m in await lru_members(c))
-    assert (await owners(c))[h].split("|")[0] == "i10"
-    assert await c.prefix.cached_tokens([h]) == {"i10": TOKENS}
+    old_owners, old_lru = c.keys.legacy_prefix_keys()
+    await c.redis.hset(old_owners, "ab", "i0|1|7999|1")
+    await c.redis.zadd(old_lru, {"i0#0000000001|00000000000007999|1|ab": 0})
+    await c.prefix.record("i0", hashes(c, "a"))  # the node's first record is sampled
+    assert not await c.redis.exists(old_owners, old_lru)
 
 
 @pytest.mark.parametrize("backend", ["real"])  # encodings are the real server's own
@@ -438,11 +410,11 @@ async def test_the_owners_hash_is_a_hashtable_from_its_first_record(
     # As a listpack, a lookup's HMGET would scan the whole hash once per block.
     c = await setup(make_coordinator)
     await c.prefix.record("i0", hashes(c, "a"))
-    assert await c.redis.object("encoding", c.keys.prefix_owners()) == "hashtable"
-    about = await c.redis.hget(c.keys.prefix_owners(), "#about")
+    assert await c.redis.object("encoding", c.keys.prefix_index()) == "hashtable"
+    about = await c.redis.hget(c.keys.prefix_index(), "#about")
     assert len(about) > 64  # longer than hash-max-listpack-value's default
     await c.prefix.record("i1", hashes(c, "b"))
-    assert await c.redis.hget(c.keys.prefix_owners(), "#about") == about
+    assert await c.redis.hget(c.keys.prefix_index(), "#about") == about
 
 
 async def test_an_index_without_its_about_field_gets_it_on_a_sampled_record(
@@ -450,10 +422,10 @@ async def test_an_index_without_its_about_field_gets_it_on_a_sampled_record(
 ) -> None:
     c = await setup(make_coordinator)
     await c.prefix.record("i0", hashes(c, "a"))
-    await c.redis.hdel(c.keys.prefix_owners(), "#about")  # as an older version left it
+    await c.redis.hdel(c.keys.prefix_index(), "#about")  # as an older version left it
     for _ in range(SAMPLE_EVERY):
         await c.prefix.record("i0", hashes(c, "b"))
-    assert len(await c.redis.hget(c.keys.prefix_owners(), "#about")) > 64
+    assert len(await c.redis.hget(c.keys.prefix_index(), "#about")) > 64
 
 
 async def test_reserve_spreads_a_short_hot_prefix_while_an_instance_is_idle(

@@ -79,8 +79,7 @@ async def test_affinity_off_looks_nothing_up_and_records_nothing(harness: Harnes
         _, cached = await chat(harness, node, messages)
         assert cached == "0"
     redis = node.coordinator.redis
-    assert not await redis.exists(node.coordinator.keys.prefix_owners())
-    assert not await redis.exists(node.coordinator.keys.prefix_lru())
+    assert not await redis.exists(node.coordinator.keys.prefix_index())
 
 
 def test_the_node_hashes_the_canonical_prompt_with_the_pool_salt() -> None:

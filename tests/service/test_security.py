@@ -640,7 +640,7 @@ async def test_no_payload_reaches_redis_logs_or_debug_views(
         await wait_for(lambda: settled(node.coordinator), what="every release")
 
         async def indexed() -> bool:  # the prefix index was exercised, and is looked at
-            return bool(await raw.hlen(node.coordinator.keys.prefix_owners()))
+            return bool(await raw.hlen(node.coordinator.keys.prefix_index()))
 
         await wait_for(indexed, what="the prefix index written")
         await look()

@@ -1,0 +1,161 @@
+"""The prefix index's format in Redis, and what it means (no I/O here: see
+coordinator/prefix_index.py, which reads and writes it with plain commands).
+
+One hash per pool, `{pool}:prefix_index`, holding no text of any prompt:
+
+- block hash -> "<id>#<epoch>|<position> ...": the instances that recorded the block,
+  newest last, at most `prefix_max_owners`;
+- "<id>#<epoch>" -> the instance's count at that epoch: the blocks recorded against
+  it (HINCRBY), which gives each entry its position;
+- "<id>#" -> the latest epoch indexed for the id, which an automatic epoch continues
+  above (lua/register.lua): an id registered again must not find its old entries
+  valid;
+- "#about": what the hash is (longer than hash-max-listpack-value, so Redis keeps the
+  hash in its hashtable encoding: as a listpack, an HMGET of many fields would scan
+  the whole hash once per field).
+
+An entry is valid while its instance is at the entry's epoch and fewer than the
+instance's capacity (in blocks) were recorded after it: the index is an LRU of each
+instance's last `capacity` blocks, evicted by its count alone, so no write ever
+deletes to keep an instance within its capacity. A node records an entry every
+few blocks of a prompt (Settings.prefix_record_stride); an entry stands for the blocks
+since the previous one (its weight), and a call's entries take positions deepest
+first, so an instance loses a prompt's tail before its head, as an engine's cache
+does. A refresh (weight 0) adds no block: it moves an entry the instance holds to its
+count, as a cache hit moves a prefix to the front of an LRU.
+
+Invalid entries cost storage only, never credit: a lookup checks every entry it
+reads, and sampled records reclaim them (`reclaimed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+ABOUT = (
+    'prefix index: block hash -> "<id>#<epoch>|<position>" owners, newest last; '
+    '"<id>#<epoch>" -> blocks recorded; "<id>#" -> latest epoch indexed '
+    "(coordinator/prefix_entries.py); no prompt text"
+)
+
+
+def stem(owner: str, epoch: int) -> str:
+    """An instance's count field at one epoch, and the head of its entries."""
+    return f"{owner}#{epoch}"
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One owner of a block: the instance, its epoch, the position of the record."""
+
+    owner: str
+    epoch: int
+    position: int
+
+    @property
+    def stem(self) -> str:
+        return stem(self.owner, self.epoch)
+
+
+def parse_entries(raw: str | None) -> list[Entry]:
+    """The entries of one block's value; anything else in it is left out."""
+    out = []
+    for text in (raw or "").split():
+        head, _, position = text.rpartition("|")
+        owner, _, epoch = head.rpartition("#")
+        if owner and epoch.isdigit() and position.isdigit():
+            out.append(Entry(owner, int(epoch), int(position)))
+    return out
+
+
+def valid(position: int, count: int | None, capacity: int) -> bool:
+    """Whether an entry at `position` is still within its instance's last `capacity`
+    blocks, by the instance's count at the entry's epoch (None: gone). A count read
+    before the entry was written is below its position: the entry is newer, so valid."""
+    return count is not None and position > 0 and count - position < capacity
+
+
+def current_stems(values: Iterable[str | None], epoch_of: Callable[[str], int | None]) -> list[str]:
+    """The count fields a lookup needs: those of the owners named at their current
+    epoch (an entry of another epoch is void at once: a restart empties the cache)."""
+    out: dict[str, None] = {}
+    for raw in values:
+        for e in parse_entries(raw):
+            if e.stem not in out and epoch_of(e.owner) == e.epoch:
+                out[e.stem] = None
+    return list(out)
+
+
+def cached_blocks(
+    values: Sequence[str | None],
+    counts: Mapping[str, int | None],
+    epoch_of: Callable[[str], int | None],
+    capacity_of: Callable[[str], int],
+) -> dict[str, int]:
+    """Blocks of the prompt each instance holds, from the values of its blocks in
+    prompt order and the counts of their owners (`current_stems`).
+
+    An instance holding block i holds the prompt up to the end of block i: the hash
+    chains over everything before it, and an engine's cache drops a prefix's tail
+    before its head. So the credit is the deepest valid entry, even where shallower
+    entries of the same prompt fell out first (a node refreshes only the deepest block
+    a request held, see `PrefixIndex.record`).
+    """
+    held: dict[str, int] = {}
+    for position in range(len(values) - 1, -1, -1):
+        for e in parse_entries(values[position]):
+            if e.owner in held or epoch_of(e.owner) != e.epoch:
+                continue
+            if valid(e.position, counts.get(e.stem), capacity_of(e.owner)):
+                held[e.owner] = position + 1
+    return held
+
+
+def reclaimed(
+    sampled: Sequence[tuple[str, str]],
+    epochs: Mapping[str, int | None],
+    counts: Mapping[str, int | None],
+    capacity_of: Callable[[str], int],
+) -> tuple[list[str], dict[str, str]]:
+    """What to delete and rewrite among sampled (field, value) pairs of the index,
+    given the registered epoch of every id they name and the counts of the stems
+    (`sampled_names`): block values keep their valid entries only, and the counts
+    of other epochs than the id's registered one go. "<id>#" and "#" fields stay."""
+    dels: list[str] = []
+    sets: dict[str, str] = {}
+    for field, value in sampled:
+        if field.startswith("#") or field.endswith("#"):
+            continue
+        if "#" in field:  # a count
+            owner, _, epoch = field.rpartition("#")
+            if not epoch.isdigit() or epochs.get(owner) != int(epoch):
+                dels.append(field)
+            continue
+        kept = [
+            f"{e.stem}|{e.position}"
+            for e in parse_entries(value)
+            if epochs.get(e.owner) == e.epoch
+            and valid(e.position, counts.get(e.stem), capacity_of(e.owner))
+        ]
+        if not kept:
+            dels.append(field)
+        elif len(kept) < len(value.split()):
+            sets[field] = " ".join(kept)
+    return dels, sets
+
+
+def sampled_names(sampled: Sequence[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """The ids and count fields `reclaimed` needs, for the sampled fields."""
+    owners: dict[str, None] = {}
+    stems: dict[str, None] = {}
+    for field, value in sampled:
+        if field.startswith("#") or field.endswith("#"):
+            continue
+        if "#" in field:
+            owners[field.rpartition("#")[0]] = None
+            continue
+        for e in parse_entries(value):
+            owners[e.owner] = None
+            stems[e.stem] = None
+    return list(owners), list(stems)

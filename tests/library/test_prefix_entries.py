@@ -1,0 +1,64 @@
+"""The prefix index's format and meaning (coordinator/prefix_entries.py), without Redis."""
+
+from __future__ import annotations
+
+from coordinator.prefix_entries import (
+    Entry,
+    cached_blocks,
+    current_stems,
+    parse_entries,
+    reclaimed,
+    sampled_names,
+    valid,
+)
+
+
+def test_entries_parse_ids_with_colons_and_skip_anything_else() -> None:
+    assert parse_entries("x:y#3|12 bad z#q|1 w#2|x i-1#0|4") == [
+        Entry("x:y", 3, 12),
+        Entry("i-1", 0, 4),
+    ]
+    assert parse_entries(None) == []
+
+
+def test_an_entry_is_valid_within_its_instances_last_capacity_blocks() -> None:
+    assert valid(10, 10, 4) and valid(7, 10, 4)
+    assert not valid(6, 10, 4)  # 4 blocks were recorded after it: out
+    assert valid(12, 10, 4)  # newer than the count a node saw: valid
+    assert not valid(5, None, 4)  # no count at that epoch
+    assert not valid(0, 0, 4)
+
+
+def test_cached_blocks_credits_the_deepest_valid_entry_at_the_current_epoch() -> None:
+    epochs = {"a": 1, "b": 2}.get
+    values = ["a#1|9 b#2|9 c#1|9", "a#1|8 b#1|8", None, "a#1|7", "a#1|1"]
+    counts = {"a#1": 10, "b#2": 9, "c#1": 9}
+    # c is not registered and b's second block is from an older epoch: b holds 1
+    # block. a holds block 4, so the prompt up to its end (chained hashes), although
+    # block 3 has no entry; a's entry at block 5 fell out (capacity 4, count 10).
+    assert cached_blocks(values, counts, epochs, lambda _: 4) == {"a": 4, "b": 1}
+    assert cached_blocks(values, counts, epochs, lambda _: 100) == {"a": 5, "b": 1}
+    assert cached_blocks([], counts, epochs, lambda _: 4) == {}
+    # Only the counts of owners at their current epoch are asked for.
+    assert current_stems(values, epochs) == ["a#1", "b#2"]
+
+
+def test_reclaim_keeps_valid_entries_and_drops_the_rest() -> None:
+    sampled = [
+        ("h1", "a#1|9 b#1|3"),  # b is at epoch 2 now: its entry goes
+        ("h2", "a#1|2"),  # a has moved 8 blocks on: out of its 4
+        ("h3", "a#1|8 c#1|5"),  # all valid: untouched
+        ("a#1", "10"),
+        ("b#1", "7"),  # b's count at an older epoch
+        ("u#1", "3"),  # u is not registered
+        ("a#", "1"),
+        ("#about", "..."),
+    ]
+    owners, stems = sampled_names(sampled)
+    assert sorted(owners) == ["a", "b", "c", "u"]
+    assert sorted(stems) == ["a#1", "b#1", "c#1"]
+    epochs = {"a": 1, "b": 2, "c": 1, "u": None}
+    counts = {"a#1": 10, "b#1": 7, "c#1": 5}
+    dels, sets = reclaimed(sampled, epochs, counts, lambda _: 4)
+    assert sorted(dels) == ["b#1", "h2", "u#1"]
+    assert sets == {"h1": "a#1|9"}
