@@ -135,8 +135,8 @@ class CostResult:
 
     instances: int
     case: str  # what the requests are
-    lookup_us: float  # one HMGET
-    record_us: float  # one record_prefix (EVALSHA)
+    lookup_us: float  # one lookup: an HMGET of the blocks and one of their owners' counts
+    record_us: float  # one record: HINCRBY, HMGET and HSET, a share of reclaiming
     records_per_request: float  # a request whose blocks were all held records nothing
     cpu_us: float = float("nan")  # server main-thread CPU per request (lookup and record,
     # network included): what a preempted server's wall-clock usec_per_call leaves out
@@ -157,6 +157,20 @@ async def _cpu_s(redis: Redis) -> float:
     """CPU seconds of the server's main thread so far."""
     cpu = await redis.info("cpu")
     return float(cpu["used_cpu_user_main_thread"]) + float(cpu["used_cpu_sys_main_thread"])
+
+
+# Commands a sampled reclaim runs outside any script (coordinator/prefix_index.py).
+RECLAIM_ROWS = ("cmdstat_hrandfield", "cmdstat_hdel", "cmdstat_hsetnx", "cmdstat_unlink")
+
+
+def _usec(commandstats: dict[str, Any]) -> float:
+    """The server's time in every command of an `INFO commandstats` reply (µs) but the
+    bench's own INFO and CONFIG RESETSTAT."""
+    return sum(
+        float(row["usec"])
+        for name, row in commandstats.items()
+        if not name.startswith(("cmdstat_info", "cmdstat_config"))
+    )
 
 
 async def redis_cost(
@@ -230,8 +244,8 @@ async def redis_cost(
                 await redis.config_resetstat()
                 for _, hashes in part:
                     await prefix.cached_tokens(hashes)
-                stats = await redis.info("commandstats")
-                lookups.append(float(stats["cmdstat_hmget"]["usec_per_call"]))
+                # plain commands only (an HMGET or two): the server's time in all of them
+                lookups.append(_usec(await redis.info("commandstats")) / len(part))
                 await redis.config_resetstat()
                 cpu = await _cpu_s(redis)
                 for iid, hashes in part:
@@ -239,9 +253,14 @@ async def redis_cost(
                     await prefix.record(iid, hashes, found.get(iid, 0))
                 cpus.append((await _cpu_s(redis) - cpu) * 1e6 / len(part))
                 stats = await redis.info("commandstats")
+                # The record script's time, with its own commands' (and any record
+                # script of an earlier version), and the commands of sampled reclaims
+                # that no script runs; their HMGETs count in the lookups' row.
                 if "cmdstat_evalsha" in stats:
-                    records.append(float(stats["cmdstat_evalsha"]["usec_per_call"]))
-                    calls += int(stats["cmdstat_evalsha"]["calls"])
+                    evalsha = stats["cmdstat_evalsha"]
+                    reclaim = sum(float(stats[row]["usec"]) for row in RECLAIM_ROWS if row in stats)
+                    records.append((float(evalsha["usec"]) + reclaim) / int(evalsha["calls"]))
+                    calls += int(evalsha["calls"])
             out.append(
                 CostResult(
                     instances,
