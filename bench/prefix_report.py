@@ -306,7 +306,7 @@ def cost_part() -> tuple[str, list[Check]]:
     finally:
         server.stop()
     lines = [
-        "| instances | requests | HMGET µs | record_prefix µs | records per request "
+        "| instances | requests | lookup µs | record µs | records per request "
         "| total µs per request |",
         "|---:|---|---:|---:|---:|---:|",
         *(
@@ -432,13 +432,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     table, checks = cost_part()
     summary += checks
     parts.append(
-        "### Redis cost of the index\n\nRedis CPU per request (`INFO commandstats` "
-        "usec_per_call on a private server, the median over chunks of 100 requests) "
-        "for the decision's `HMGET` (timed in a pass of its own) and the "
-        "`record_prefix` call after it, with every instance's index full at "
+        "### Redis cost of the index\n\nRedis time per request in the commands a node "
+        "sends (`INFO commandstats` on a private server, the median over chunks of 100 "
+        "requests): the decision's lookup (an `HMGET` of the blocks and, unless the node "
+        "saw them within a second, one of the owners' counts; timed in a pass of its "
+        "own) and the record after it (the `record_prefix` script and the plain commands "
+        "of one sampled reclaim in 16), with every instance's index full at "
         f"{COST_CAPACITY:,} tokens of 30-block conversations (Mooncake's mean prompt). This adds to the "
-        "decision's flat cost (docs/scaling.md): the lookup is one command of fixed "
-        "size and the record touches only the chosen instance's entries, whatever "
+        "decision's flat cost (docs/scaling.md): the lookup reads a fixed number of "
+        "fields and the record touches only the chosen instance's entries, whatever "
         f"the pool size.\n\n{table}\n\n{checks_list(checks)}"
     )
     seconds = time.monotonic() - started
