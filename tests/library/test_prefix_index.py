@@ -7,7 +7,7 @@ import pytest
 
 from coordinator import Coordinator, ScriptArgumentError
 from coordinator.prefix import CachedTokens
-from coordinator.prefix_index import SAMPLE_EVERY, recorded_entries
+from coordinator.prefix_index import COUNT_FRESH_MS, SAMPLE_EVERY, recorded_entries
 from tests.conftest import MakeCoordinator
 from tests.helpers import spec
 
@@ -455,3 +455,61 @@ async def test_reserve_spreads_a_short_hot_prefix_while_an_instance_is_idle(
         assert res.instance_id == "i0"
         for r in (res, *others, busy):
             await c.release(r.rid)
+
+
+async def test_sampled_records_keep_the_index_within_its_valid_entries_and_a_few(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Nothing deletes an entry when it falls out of its instance's capacity; sampled
+    records do. This index is smaller than one sample, so each sampled record reads it
+    whole: at most the entries of the records since the last sample are invalid."""
+    c = await setup(make_coordinator, prefix_cache_tokens=8 * TOKENS)
+    most = 0
+    for k in range(100):
+        await c.prefix.record("i0", hashes(c, f"p{k}"))
+        most = max(most, len(await owners(c)))
+    assert 8 < most <= 8 + SAMPLE_EVERY  # without reclaiming, 100
+    # Validity is the count's, whatever storage holds: the last 8 prompts only.
+    assert await c.prefix.cached_tokens(hashes(c, "p99")) == {"i0": TOKENS}
+    assert await c.prefix.cached_tokens(hashes(c, "p92")) == {"i0": TOKENS}
+    assert await c.prefix.cached_tokens(hashes(c, "p91")) == {}
+
+
+async def test_a_count_seen_within_a_second_spares_the_lookup_a_read(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """A node takes a count it read or wrote within COUNT_FRESH_MS as the instance's
+    (a floor: counts only grow); it reads the others. Within that window another
+    node's records can push an entry out unseen: a credit that is late to go."""
+    c = await setup(make_coordinator, prefix_cache_tokens=4 * TOKENS)
+    other = await make_coordinator(
+        "n2", prefix_block_chars=BLOCK, prefix_record_stride=1, prefix_cache_tokens=4 * TOKENS
+    )
+    await other.refresh()
+    reads: list[int] = []
+    redis = c.prefix._redis
+
+    class Counting:
+        def __getattr__(self, name: str) -> object:
+            return getattr(redis, name)
+
+        async def hmget(self, key: str, fields: list[str]) -> object:
+            reads.append(len(fields))
+            return await redis.hmget(key, fields)
+
+    c.prefix._redis = Counting()
+    turn = hashes(c, "a", "b")
+    await c.prefix.record("i0", turn)  # this node wrote i0's count just now
+    reads.clear()
+    assert await c.prefix.cached_tokens(turn) == {"i0": 2 * TOKENS}
+    assert reads == [2]  # the blocks; i0's count was fresh
+    other.prefix._records = 1  # its next record is not a sampled one (which would delete them)
+    await other.prefix.record("i0", hashes(c, "x", "y", "z", "w"))  # pushes "a", "b" out
+    reads.clear()
+    assert await c.prefix.cached_tokens(turn) == {"i0": 2 * TOKENS}  # not seen yet
+    assert reads == [2]
+    c.prefix._counts_seen = {s: (n, at - COUNT_FRESH_MS - 1) for s, (n, at) in
+                             c.prefix._counts_seen.items()}  # fmt: skip
+    reads.clear()
+    assert await c.prefix.cached_tokens(turn) == {}
+    assert reads == [2, 1]  # the blocks, then i0's count
