@@ -73,7 +73,7 @@ spec.loader.exec_module(bench)
 bench.record_all(url, int(instances), int(requests), out, workloads.split("|"))
 """
 
-Call = tuple[str, str, list[Any], list[Any]]  # ("evalsha", script, keys, args) | ("hmget", ...)
+Call = tuple[str, str, list[Any], list[Any]]  # ("evalsha", script, keys, args) | ("cmd", ...)
 
 
 class CallLog:
@@ -84,35 +84,82 @@ class CallLog:
         self.statuses: list[Any] = []
         self.on = False
 
+    def command(self, args: Sequence[Any], reply: Any) -> None:
+        """Note one plain command (its whole argument list, name first)."""
+        if self.on:
+            self.calls.append(("cmd", str(args[0]), [], list(args)))
+            self.statuses.append(plain_status(reply))
+
     def attach(self, c: Any) -> None:
-        """Record `c`'s script calls and its prefix index's lookups while `on`."""
+        """Record `c`'s script calls and its prefix index's plain commands while `on`."""
+        from coordinator import scripts
+
+        own_keys: frozenset[str] = getattr(scripts, "OWN_KEYS", frozenset())  # older: none
         inner = c._direct_call
         log = self
 
         async def recording(name: str, args: list[Any], extra: tuple[Any, ...] = ()) -> Any:
             reply = await inner(name, args, extra)
             if log.on:
-                log.calls.append(("evalsha", name, [*c._columns, *extra], list(args)))
+                keys = list(extra) if name in own_keys else [*c._columns, *extra]
+                log.calls.append(("evalsha", name, keys, list(args)))
                 log.statuses.append(status_of(reply))
             return reply
 
         c._direct_call = recording
         prefix = getattr(c, "prefix", None)
         if prefix is not None:
-            redis = prefix._redis
+            prefix._redis = _Recorded(prefix._redis, log)
 
-            class Lookups:
-                def __getattr__(self, attr: str) -> Any:
-                    return getattr(redis, attr)
 
-                async def hmget(self, key: str, fields: list[str]) -> Any:
-                    reply = await redis.hmget(key, fields)
-                    if log.on:
-                        log.calls.append(("hmget", "", [key], list(fields)))
-                        log.statuses.append(sum(v is not None for v in reply))
-                    return reply
+class _Recorded:
+    """A client whose commands, direct or pipelined, a CallLog notes."""
 
-            prefix._redis = Lookups()
+    def __init__(self, redis: Any, log: CallLog) -> None:
+        self._redis = redis
+        self._log = log
+
+    def __getattr__(self, attr: str) -> Any:
+        method = getattr(self._redis, attr)
+        if not callable(method):
+            return method
+        redis, log = self._redis, self._log
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            pipe = redis.pipeline(transaction=False)
+            getattr(pipe, attr)(*args, **kwargs)
+            ((raw, _),) = pipe.command_stack
+            (reply,) = await pipe.execute()
+            log.command(raw, reply)
+            return reply
+
+        return call
+
+    def pipeline(self, transaction: bool = True) -> Any:
+        return _RecordedPipeline(self._redis.pipeline(transaction=transaction), self._log)
+
+
+class _RecordedPipeline:
+    def __init__(self, pipe: Any, log: CallLog) -> None:
+        self._pipe = pipe
+        self._log = log
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._pipe, attr)
+
+    async def execute(self) -> list[Any]:
+        raws = [raw for raw, _ in self._pipe.command_stack]
+        replies = await self._pipe.execute()
+        for raw, reply in zip(raws, replies, strict=True):
+            self._log.command(raw, reply)
+        return list(replies)
+
+
+def plain_status(reply: Any) -> Any:
+    """A plain command's reply, summed up: the values a list holds, else the reply."""
+    if isinstance(reply, list | tuple):
+        return sum(v is not None for v in reply)
+    return reply if isinstance(reply, int) else type(reply).__name__
 
 
 def status_of(reply: Any) -> Any:
@@ -336,8 +383,8 @@ def replay(
             for at in range(0, len(calls), PIPELINE):
                 pipe = client.pipeline(transaction=False)
                 for kind, name, keys, args in calls[at : at + PIPELINE]:
-                    if kind == "hmget":
-                        pipe.hmget(keys[0], args)
+                    if kind == "cmd":
+                        pipe.execute_command(*args)  # type: ignore[no-untyped-call]
                     else:
                         queue_call(pipe, sha[name], name, keys, args)
                 replies.extend(pipe.execute(raise_on_error=False))
@@ -348,7 +395,7 @@ def replay(
     finally:
         client.close()
     statuses = [
-        sum(v is not None for v in reply) if kind == "hmget" else status_of(reply)
+        plain_status(reply) if kind == "cmd" else status_of(reply)
         for (kind, _, _, _), reply in zip(
             calls, call_replies([c[1:] for c in calls], replies), strict=True
         )
