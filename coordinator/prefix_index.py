@@ -15,7 +15,7 @@ state, the index costs two round trips of small work, whatever the pool's size:
   `prefix_record_stride` blocks and at the prompt's last block only (see
   `recorded_entries`), a few fields per request.
 - one record in `SAMPLE_EVERY` also reclaims the invalid entries among random fields
-  (plain commands, three round trips).
+  (plain commands, three round trips: see `_reclaim`).
 
 Lookup and record degrade to "nothing cached" / "nothing recorded" while Redis is
 unreachable or refuses writes: affinity is an optimization, never a reason to fail a
@@ -175,8 +175,8 @@ class PrefixIndex:
     async def _counts(self, stems: Sequence[str]) -> dict[str, int | None]:
         if not stems:
             return {}
-        values = await self._redis.hmget(self._index, list(stems))
-        return {s: None if v is None else int(v) for s, v in zip(stems, values, strict=True)}
+        values = _texts(await self._redis.hmget(self._index, list(stems)))
+        return {s: _count(v) for s, v in zip(stems, values, strict=True)}
 
     async def index_tokens(self, instances: Sequence[tuple[str, int]]) -> dict[str, int]:
         """Tokens the index holds per (instance id, epoch): one HMGET of their counts.
@@ -228,16 +228,23 @@ class PrefixIndex:
 
     async def _reclaim(self, sample: int) -> None:
         """Reclaim the invalid entries among `sample` random fields of the index, and
-        unlink what earlier versions kept. Two round trips and a write; a record
-        written meanwhile into a rewritten field can be lost (a missed credit)."""
+        unlink what earlier versions kept. Three round trips: the sample, the epochs
+        and counts it names, the writes. A record written meanwhile into a rewritten
+        field can be lost (a missed credit)."""
         flat = _texts(await self._redis.hrandfield(self._index, sample, withvalues=True))
         sampled = [(str(flat[k]), str(flat[k + 1])) for k in range(0, len(flat) - 1, 2)]
         owners, stems = sampled_names(sampled)
         epochs: dict[str, int | None] = {}
+        counts: dict[str, int | None] = {}
         if owners:
-            values = await self._redis.hmget(self._epochs, owners)
-            epochs = {o: None if v is None else int(v) for o, v in zip(owners, values, strict=True)}
-        counts = await self._counts(stems)
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hmget(self._epochs, owners)
+            if stems:
+                pipe.hmget(self._index, stems)
+            got = [_texts(values) for values in await pipe.execute()]
+            epochs = {o: _count(v) for o, v in zip(owners, got[0], strict=True)}
+            if stems:
+                counts = {s: _count(v) for s, v in zip(stems, got[1], strict=True)}
         dels, sets = reclaimed(sampled, epochs, counts, self.capacity_blocks)
         pipe = self._redis.pipeline(transaction=False)
         if dels:
@@ -247,6 +254,11 @@ class PrefixIndex:
         pipe.hsetnx(self._index, "#about", ABOUT)
         pipe.unlink(*self._legacy)
         await pipe.execute()
+
+
+def _count(value: str | None) -> int | None:
+    """A count or epoch as stored (None: absent, or not a number a node wrote)."""
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def _texts(values: Sequence[str | bytes | None]) -> list[str | None]:

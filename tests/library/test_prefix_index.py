@@ -513,3 +513,19 @@ async def test_a_count_seen_within_a_second_spares_the_lookup_a_read(
     reads.clear()
     assert await c.prefix.cached_tokens(turn) == {}
     assert reads == [2, 1]  # the blocks, then i0's count
+
+
+async def test_garbage_in_the_index_costs_credit_never_a_request(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Whatever a hand edit or another program left in the hash, a lookup answers and
+    a record writes over it."""
+    c = await setup(make_coordinator)
+    turn = hashes(c, "a", "b")
+    await c.redis.hset(
+        c.keys.prefix_index(),
+        mapping={turn[0]: "i0#1|x i1#1|2 junk", turn[1]: "|||", "i1#1": "many", "#about": "x"},
+    )
+    assert await c.prefix.cached_tokens(turn) == {}  # i1's count is no number
+    await c.prefix.record("i0", turn)
+    assert await c.prefix.cached_tokens(turn) == {"i0": 2 * TOKENS}
