@@ -435,7 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "### Redis cost of the index\n\nRedis time per request in the commands a node "
         "sends (`INFO commandstats` on a private server, the median over chunks of 100 "
         "requests): the decision's lookup (an `HMGET` of the blocks and, unless the node "
-        "saw them within a second, one of the owners' counts; timed in a pass of its "
+        "saw them lately, one of the owners' counts; timed in a pass of its "
         "own) and the record after it (the `record_prefix` script and the plain commands "
         "of one sampled reclaim in 16), with every instance's index full at "
         f"{COST_CAPACITY:,} tokens of 30-block conversations (Mooncake's mean prompt). This adds to the "

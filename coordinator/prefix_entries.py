@@ -159,3 +159,62 @@ def sampled_names(sampled: Sequence[tuple[str, str]]) -> tuple[list[str], list[s
             owners[e.owner] = None
             stems[e.stem] = None
     return list(owners), list(stems)
+
+
+COUNT_FRESH_MS = 1000.0  # how long a count seen stands for the instance's, its growth unknown
+COUNT_FRESH_MAX_MS = 10_000.0  # ... at most, however slowly it grows
+COUNT_FRESH_MIN_MS = 100.0  # ... at least, however fast
+DRIFT_SHARE = 1 / 32  # of an instance's capacity its count may move on unseen, by its rate
+RATE_SPAN_MS = 60_000.0  # growth is measured over at most about this long
+
+
+@dataclass(slots=True)
+class _Seen:
+    count: int
+    at: float
+    base_count: int  # an earlier observation, to measure the growth from
+    base_at: float
+
+
+class SeenCounts:
+    """Counts a node read or wrote lately, each standing for its instance's count for
+    a while: counts only grow, so one seen earlier is a floor (an entry above it is
+    newer, so valid), and an entry below it may have fallen out since, unseen. The
+    while is the time the count takes to move `DRIFT_SHARE` of the instance's capacity
+    on at the rate it grew between this node's observations (within
+    COUNT_FRESH_MIN_MS..COUNT_FRESH_MAX_MS; COUNT_FRESH_MS until that rate is known), so
+    an entry credited after it fell out is at most about that share of the cache past
+    its edge."""
+
+    def __init__(self, kept: int = 4096) -> None:
+        self._kept = kept
+        self._seen: dict[str, _Seen] = {}
+
+    def note(self, stem_: str, count: int, now: float) -> None:
+        """A count read or written at `now` (ms)."""
+        seen = self._seen.get(stem_)
+        if seen is None or count < seen.count:  # new, or the index was emptied
+            if len(self._seen) >= self._kept:
+                self._seen = {s: v for s, v in self._seen.items() if now - v.at <= RATE_SPAN_MS}
+            self._seen[stem_] = _Seen(count, now, count, now)
+            return
+        if now - seen.base_at > RATE_SPAN_MS:  # measure from the last observation on
+            seen.base_count, seen.base_at = seen.count, seen.at
+        seen.count, seen.at = count, now
+
+    def fresh(self, stem_: str, capacity: int, now: float) -> int | None:
+        """The count seen for `stem_` if it still stands for the instance's, else None."""
+        seen = self._seen.get(stem_)
+        if seen is None or now - seen.at > self.window_ms(seen, capacity):
+            return None
+        return seen.count
+
+    @staticmethod
+    def window_ms(seen: _Seen, capacity: int) -> float:
+        span = seen.at - seen.base_at
+        if span < COUNT_FRESH_MS:
+            return COUNT_FRESH_MS
+        rate = (seen.count - seen.base_count) / span  # blocks per ms
+        if rate <= 0:
+            return COUNT_FRESH_MAX_MS
+        return min(COUNT_FRESH_MAX_MS, max(COUNT_FRESH_MIN_MS, DRIFT_SHARE * capacity / rate))

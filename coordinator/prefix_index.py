@@ -7,8 +7,10 @@ pays for every string that crosses into it and back. So per request, in the stea
 state, the index costs two round trips of small work, whatever the pool's size:
 
 - at decision time, one HMGET of the prompt's blocks (at most `prefix_max_blocks`
-  fields). Validity needs the counts of the instances named: the node keeps those it
-  read or wrote within `COUNT_FRESH_MS`, and reads the others in one more HMGET. The
+  fields). Validity needs the counts of the instances named: the node takes those it
+  read or wrote lately as they were (`SeenCounts`: for as long as a count takes to
+  move 1/32 of the capacity on at the rate it grew, 0.1-10 s), and reads the
+  others in one more HMGET. The
   epochs and capacities come from the node's own snapshot cache.
 - after the choice (off the request's path), one `record_prefix` call (HINCRBY of the
   instance's count, an HMGET and an HSET of the blocks it records): an entry every
@@ -45,6 +47,7 @@ from coordinator.prefix import (
 )
 from coordinator.prefix_entries import (
     ABOUT,
+    SeenCounts,
     cached_blocks,
     current_stems,
     reclaimed,
@@ -59,12 +62,6 @@ SAMPLE_EVERY = 16  # one record in this many also reclaims invalid entries
 # sample reclaims the invalid share of what it reads).
 SAMPLE_PER_ENTRY = 2 * SAMPLE_EVERY
 MAX_SAMPLE = 1024  # fields one record samples, at most
-# A count this node read or wrote within this long stands for the instance's count at
-# a lookup: counts only grow, so an entry newer than it is taken as valid, and one
-# older may be credited though the blocks recorded since (by other nodes, within this
-# window) pushed it out of the capacity.
-COUNT_FRESH_MS = 1000.0
-COUNTS_KEPT = 4096  # counts remembered before the stale ones are dropped
 CallScript = Callable[[str, list[Any], tuple[str | bytes, ...]], Any]
 # What a failed index read or write can raise: affinity then waits for Redis.
 FAILURES = (RedisError, OSError, TimeoutError)
@@ -98,7 +95,7 @@ class PrefixIndex:
         # (numbers only), for /debug/instance_loads and the dashboard.
         self.last_lookup: dict[str, int] = {}
         self._records = 0
-        self._counts_seen: dict[str, tuple[int, float]] = {}  # stem -> (count, when ms)
+        self.seen = SeenCounts()  # the counts this node read or wrote lately
         # The prefixes this node routed moments ago: only those are hot-spot guarded,
         # and the instances it routed to then (the bounded-loads rule's counts).
         self.hot = HotPrefixes(settings.prefix_hot_ms)
@@ -147,30 +144,22 @@ class PrefixIndex:
         return CachedTokens(tokens, hot, popular)
 
     async def _known_counts(self, stems: Sequence[str]) -> dict[str, int | None]:
-        """The counts of these stems as a lookup takes them: those seen within
-        COUNT_FRESH_MS, the others read (one HMGET). A count seen earlier is a floor
-        of the real one: an entry above it is newer, and valid."""
+        """The counts of these stems as a lookup takes them: those this node saw
+        lately (`SeenCounts`), the others read (one HMGET)."""
         now = time.monotonic() * 1000
         out: dict[str, int | None] = {}
         missing = []
         for s in stems:
-            seen = self._counts_seen.get(s)
-            if seen is not None and now - seen[1] <= COUNT_FRESH_MS:
-                out[s] = seen[0]
-            else:
+            count = self.seen.fresh(s, self.capacity_blocks(s.rpartition("#")[0]), now)
+            if count is None:
                 missing.append(s)
-        for s, count in (await self._counts(missing)).items():
-            out[s] = count
-            if count is not None:
-                self._saw(s, count, now)
+            else:
+                out[s] = count
+        for s, read in (await self._counts(missing)).items():
+            out[s] = read
+            if read is not None:
+                self.seen.note(s, read, now)
         return out
-
-    def _saw(self, stem_: str, count: int, now: float) -> None:
-        if len(self._counts_seen) >= COUNTS_KEPT:
-            self._counts_seen = {
-                s: v for s, v in self._counts_seen.items() if now - v[1] <= COUNT_FRESH_MS
-            }
-        self._counts_seen[stem_] = (count, now)
 
     async def _counts(self, stems: Sequence[str]) -> dict[str, int | None]:
         if not stems:
@@ -220,7 +209,7 @@ class PrefixIndex:
         self._records += 1
         try:
             count = await self._call("record_prefix", args, (self._index,))
-            self._saw(head, int(count), time.monotonic() * 1000)
+            self.seen.note(head, int(count), time.monotonic() * 1000)
             if self._records % SAMPLE_EVERY == 1:
                 await self._reclaim(min(MAX_SAMPLE, SAMPLE_PER_ENTRY * len(entries)))
         except (CoordinationUnavailableError, *FAILURES):

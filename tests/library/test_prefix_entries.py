@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from coordinator.prefix_entries import (
+    COUNT_FRESH_MS,
     Entry,
+    SeenCounts,
     cached_blocks,
     current_stems,
     parse_entries,
@@ -62,3 +64,27 @@ def test_reclaim_keeps_valid_entries_and_drops_the_rest() -> None:
     dels, sets = reclaimed(sampled, epochs, counts, lambda _: 4)
     assert sorted(dels) == ["b#1", "h2", "u#1"]
     assert sets == {"h1": "a#1|9"}
+
+
+def test_a_count_seen_stands_for_as_long_as_its_growth_allows() -> None:
+    seen = SeenCounts()
+    seen.note("a#1", 100, 0.0)
+    # growth unknown: COUNT_FRESH_MS
+    assert seen.fresh("a#1", 2048, COUNT_FRESH_MS) == 100
+    assert seen.fresh("a#1", 2048, COUNT_FRESH_MS + 1) is None
+    seen.note("a#1", 164, 2000.0)  # 64 blocks in 2 s
+    # 1/32 of 2048 blocks at 0.032 blocks/ms: 2 s
+    assert seen.fresh("a#1", 2048, 3999.0) == 164
+    assert seen.fresh("a#1", 2048, 4001.0) is None
+    assert seen.fresh("a#1", 64 * 2048, 12_000.0) == 164  # a large cache: 10 s at most
+    assert seen.fresh("a#1", 64 * 2048, 12_001.0) is None
+    seen.note("b#1", 5, 0.0)
+    seen.note("b#1", 5, 1000.0)  # idle: it stands for 10 s
+    assert seen.fresh("b#1", 1, 11_000.0) == 5
+    seen.note("c#1", 0, 0.0)
+    seen.note("c#1", 100_000, 1000.0)  # very busy: 0.1 s at least
+    assert seen.fresh("c#1", 64, 1100.0) == 100_000
+    assert seen.fresh("c#1", 64, 1101.0) is None
+    seen.note("c#1", 3, 1200.0)  # below what was seen: the index was emptied
+    assert seen.fresh("c#1", 64, 2200.0) == 3  # growth unknown again
+    assert seen.fresh("d#1", 64, 0.0) is None

@@ -7,7 +7,8 @@ import pytest
 
 from coordinator import Coordinator, ScriptArgumentError
 from coordinator.prefix import CachedTokens
-from coordinator.prefix_index import COUNT_FRESH_MS, SAMPLE_EVERY, recorded_entries
+from coordinator.prefix_entries import COUNT_FRESH_MS
+from coordinator.prefix_index import SAMPLE_EVERY, recorded_entries
 from tests.conftest import MakeCoordinator
 from tests.helpers import spec
 
@@ -479,8 +480,9 @@ async def test_a_count_seen_within_a_second_spares_the_lookup_a_read(
     make_coordinator: MakeCoordinator,
 ) -> None:
     """A node takes a count it read or wrote within COUNT_FRESH_MS as the instance's
-    (a floor: counts only grow); it reads the others. Within that window another
-    node's records can push an entry out unseen: a credit that is late to go."""
+    (a floor: counts only grow; its growth unknown yet); it reads the others. Within
+    that window another node's records can push an entry out unseen: a credit that
+    is late to go."""
     c = await setup(make_coordinator, prefix_cache_tokens=4 * TOKENS)
     other = await make_coordinator(
         "n2", prefix_block_chars=BLOCK, prefix_record_stride=1, prefix_cache_tokens=4 * TOKENS
@@ -508,8 +510,9 @@ async def test_a_count_seen_within_a_second_spares_the_lookup_a_read(
     reads.clear()
     assert await c.prefix.cached_tokens(turn) == {"i0": 2 * TOKENS}  # not seen yet
     assert reads == [2]
-    c.prefix._counts_seen = {s: (n, at - COUNT_FRESH_MS - 1) for s, (n, at) in
-                             c.prefix._counts_seen.items()}  # fmt: skip
+    for seen in c.prefix.seen._seen.values():  # as if a second had passed
+        seen.at -= COUNT_FRESH_MS + 1
+        seen.base_at -= COUNT_FRESH_MS + 1
     reads.clear()
     assert await c.prefix.cached_tokens(turn) == {}
     assert reads == [2, 1]  # the blocks, then i0's count
