@@ -6,7 +6,7 @@ One hash per pool, `{pool}:prefix_index`, holding no text of any prompt:
 - block hash -> "<id>#<epoch>|<position> ...": the instances that recorded the block,
   newest last, at most `prefix_max_owners`;
 - "<id>#<epoch>" -> the instance's count at that epoch: the blocks recorded against
-  it (HINCRBY), which gives each entry its position;
+  it, which gives each entry its position;
 - "<id>#" -> the latest epoch indexed for the id, which an automatic epoch continues
   above (lua/register.lua): an id registered again must not find its old entries
   valid;

@@ -12,8 +12,8 @@ state, the index costs two round trips of small work, whatever the pool's size:
   move 1/32 of the capacity on at the rate it grew, 0.1-10 s), and reads the
   others in one more HMGET. The
   epochs and capacities come from the node's own snapshot cache.
-- after the choice (off the request's path), one `record_prefix` call (HINCRBY of the
-  instance's count, an HMGET and an HSET of the blocks it records): an entry every
+- after the choice (off the request's path), one `record_prefix` call (an HMGET of the
+  instance's count and the blocks it records, and an HSET): an entry every
   `prefix_record_stride` blocks and at the prompt's last block only (see
   `recorded_entries`), a few fields per request.
 - one record in `SAMPLE_EVERY` also reclaims the invalid entries among random fields

@@ -3,8 +3,8 @@
 -- means). One round trip: the instance's count grows by the blocks the record adds,
 -- which gives its entries their positions, deepest first; each block's owners get this
 -- instance's entry as the newest (its older one, of any epoch, replaced) and keep at
--- most `max_owners`. Three commands, the fewest strings in and out of Lua: this runs
--- once per request.
+-- most `max_owners`. One HMGET and one HSET, the fewest strings in and out of Lua:
+-- this runs once per request.
 -- KEYS[1] = {pool}:prefix_index (only this key: no pool columns)
 -- ARGV[1] = "<id>#<epoch>" (an instance id, its epoch as the node's view has it)
 -- ARGV[2] = max_owners: instances kept per block (integer 1..64)
@@ -22,27 +22,28 @@ local n = (#ARGV - 2) / 2
 if n < 1 or n ~= math.floor(n) or n > 512 then
   return fail('bad_arg', '1..512 pairs of block hash and weight')
 end
-local hashes, weights, added = {}, {}, 0
+local fields, weights, added = {stem}, {}, 0  -- the count, then the blocks
 for i = 1, n do
   local hash = ARGV[1 + 2 * i]
   if #hash < 1 or #hash > 64 then return fail('bad_arg', 'block hash ' .. i) end
-  hashes[i] = hash
+  fields[i + 1] = hash
   weights[i] = int_arg(ARGV[2 + 2 * i], 512)
   if weights[i] == nil then return fail('bad_arg', 'weight ' .. i) end
   added = added + weights[i]
 end
-if not string.find(table.concat(hashes), '^[0-9a-f]*$') then  -- one match for all
+if not string.find(table.concat(fields, '', 2), '^[0-9a-f]*$') then  -- one match for all
   return fail('bad_arg', 'block hashes are [0-9a-f]+')
 end
 local unpack = table.unpack or unpack
-local count = redis.call('HINCRBY', INDEX, stem, added)
-local lists = redis.call('HMGET', INDEX, unpack(hashes))
+local got = redis.call('HMGET', INDEX, unpack(fields))
+-- a count that is no number (a hand edit, say) starts again: a missed credit
+local count = (tonumber(got[1]) or 0) + added
 local mine = id .. '#'
-local sets = {mine, epoch}
+local sets = {stem, count, mine, epoch}
 local position = count - added
 for i = n, 1, -1 do  -- deepest first
   position = position + weights[i]
-  local kept, list = '', lists[i]
+  local kept, list = '', got[i + 1]
   if list then
     local others, k = {}, 0
     for text in string.gmatch(list, '%S+') do
@@ -54,7 +55,7 @@ for i = n, 1, -1 do  -- deepest first
     local first = math.max(1, k - max_owners + 2)  -- room for this entry
     if first <= k then kept = table.concat(others, ' ', first) .. ' ' end
   end
-  sets[#sets + 1] = hashes[i]
+  sets[#sets + 1] = fields[i + 1]
   sets[#sets + 1] = kept .. stem .. '|' .. position
 end
 redis.call('HSET', INDEX, unpack(sets))

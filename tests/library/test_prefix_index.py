@@ -527,8 +527,15 @@ async def test_garbage_in_the_index_costs_credit_never_a_request(
     turn = hashes(c, "a", "b")
     await c.redis.hset(
         c.keys.prefix_index(),
-        mapping={turn[0]: "i0#1|x i1#1|2 junk", turn[1]: "|||", "i1#1": "many", "#about": "x"},
+        mapping={
+            turn[0]: "i0#1|x i1#1|2 junk",
+            turn[1]: "|||",
+            "i0#1": "several",
+            "i1#1": "many",
+            "#about": "x",
+        },
     )
-    assert await c.prefix.cached_tokens(turn) == {}  # i1's count is no number
-    await c.prefix.record("i0", turn)
+    assert await c.prefix.cached_tokens(turn) == {}  # no count is a number
+    await c.prefix.record("i0", turn)  # i0's count starts again
     assert await c.prefix.cached_tokens(turn) == {"i0": 2 * TOKENS}
+    assert (await counts(c))["i0#1"] == "2"
