@@ -503,6 +503,7 @@ class Coordinator:
             # Only the re-assert's own read switches runs: a late reply of either
             # run must not empty the rows degraded selection depends on.
             if not self._reasserting:
+                self.prefix.seen.clear()  # its counts start again from 0
                 if not self._degraded:
                     self.stats.pool_losses += 1
                 self._enter_degraded(f"redis lost the pool (run_id {self._cache.run_id} -> {run})")

@@ -190,6 +190,10 @@ class SeenCounts:
         self._kept = kept
         self._seen: dict[str, _Seen] = {}
 
+    def clear(self) -> None:
+        """Forget every count (Redis lost the pool: the counts start again from 0)."""
+        self._seen.clear()
+
     def note(self, stem_: str, count: int, now: float) -> None:
         """A count read or written at `now` (ms)."""
         seen = self._seen.get(stem_)

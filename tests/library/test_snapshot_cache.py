@@ -410,12 +410,15 @@ async def test_pool_lost_means_new_run_and_full_reread(
     a, b = await two_nodes(make_coordinator)
     await a.refresh()
     old_run = a._cache.run_id
+    a.prefix.seen.note("i1#1", 500, 0.0)  # a prefix index count it saw
     # Redis restarts empty: the pool's keys vanish, then one node re-registers a few.
     await delete_pool(a.redis, a.settings.key_prefix, a.pool)
     for i in (1, 2, 60):
         await b.register_instance(spec(i))
     await notice_pool_lost(a)
     assert a._cache.run_id != old_run
+    # The index's counts start again from 0: one seen before would void new entries.
+    assert a.prefix.seen.fresh("i1#1", 10**6, 0.0) is None
     assert set(a._cache.rows) == {"i1", "i2", "i60"}
     await assert_view_is_current(a, make_coordinator)
 
