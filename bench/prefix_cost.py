@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             server.stop()
     print(f"median of {args.rounds} runs, {args.requests} requests per case and run")
-    print("| code | instances | requests | HMGET µs | record_prefix µs | records per "
+    print("| code | instances | requests | lookup µs | record µs | records per "
           "request | total µs per request | server CPU µs per request |")  # fmt: skip
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for (label, n, case), rs in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][2])):
