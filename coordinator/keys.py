@@ -81,8 +81,9 @@ class PoolKeys:
         return f"{self.stem}:ejected"
 
     def prefix_index(self) -> str:
-        """Hash of the prefix index: block hash -> "<id>|<position>" owners, "<id>#" ->
-        "<epoch> <base> <count> <capacity>", "#top", "#about" (see lua/record_prefix.lua)."""
+        """Hash of the prefix index: block hash -> "<id>#<epoch>|<position>" owners,
+        "<id>#<epoch>" -> the instance's count, "<id>#" -> its latest epoch indexed,
+        "#about" (see coordinator/prefix_entries.py)."""
         return f"{self.stem}:prefix_index"
 
     def legacy_prefix_keys(self) -> tuple[str, str]:

@@ -34,8 +34,8 @@ if not stored then
   if epoch == 0 then
     -- An automatic epoch also continues above the latest epoch the prefix index holds
     -- entries of (they outlive the id's reservation records): at that epoch again,
-    -- they would credit a cache this engine may not hold. An explicit epoch names its engine: equal to
-    -- theirs, it is the engine that holds them.
+    -- they would credit a cache this engine may not hold. An explicit epoch names its
+    -- engine: equal to theirs, it is the engine that holds them.
     local indexed = tonumber(redis.call('HGET', KEYS[17], id .. '#'))
     if indexed then retired = math.max(retired, indexed) end
   end
