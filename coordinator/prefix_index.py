@@ -63,8 +63,10 @@ SAMPLE_EVERY = 16  # one record in this many also reclaims invalid entries
 SAMPLE_PER_ENTRY = 2 * SAMPLE_EVERY
 MAX_SAMPLE = 1024  # fields one record samples, at most
 CallScript = Callable[[str, list[Any], tuple[str | bytes, ...]], Any]
-# What a failed index read or write can raise: affinity then waits for Redis.
-FAILURES = (RedisError, OSError, TimeoutError)
+# What a failed index read or write can raise: affinity then waits for Redis. A value
+# that is not UTF-8 (no node writes one) fails the client's decoding: the request goes
+# without credit, and its record rewrites the value (record_prefix keeps only entries).
+FAILURES = (RedisError, OSError, TimeoutError, UnicodeDecodeError)
 
 
 class PrefixIndex:

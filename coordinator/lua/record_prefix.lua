@@ -2,8 +2,8 @@
 -- in the prefix index (coordinator/prefix_entries.py says its format and what it
 -- means). One round trip: the instance's count grows by the blocks the record adds,
 -- which gives its entries their positions, deepest first; each block's owners get this
--- instance's entry as the newest (its older one, of any epoch, replaced) and keep at
--- most `max_owners`. One HMGET and one HSET, the fewest strings in and out of Lua:
+-- instance's entry as the newest (its older one, of any epoch, replaced; anything in
+-- the value that is no entry dropped) and keep at most `max_owners`. One HMGET and one HSET, the fewest strings in and out of Lua:
 -- this runs once per request.
 -- KEYS[1] = {pool}:prefix_index (only this key: no pool columns)
 -- ARGV[1] = "<id>#<epoch>" (an instance id, its epoch as the node's view has it)
@@ -47,7 +47,8 @@ for i = n, 1, -1 do  -- deepest first
   if list then
     local others, k = {}, 0
     for text in string.gmatch(list, '%S+') do
-      if string.sub(text, 1, #mine) ~= mine then
+      -- another instance's entry (anything else in the value is dropped)
+      if string.sub(text, 1, #mine) ~= mine and string.find(text, '^[^#|]+#%d+|%d+$') then
         k = k + 1
         others[k] = text
       end

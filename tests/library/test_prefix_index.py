@@ -521,15 +521,15 @@ async def test_a_count_seen_within_a_second_spares_the_lookup_a_read(
 async def test_garbage_in_the_index_costs_credit_never_a_request(
     make_coordinator: MakeCoordinator,
 ) -> None:
-    """Whatever a hand edit or another program left in the hash, a lookup answers and
-    a record writes over it."""
+    """Whatever a hand edit or another program left in the hash (bytes that are not
+    UTF-8 included), a lookup answers and a record writes over it."""
     c = await setup(make_coordinator)
     turn = hashes(c, "a", "b")
     await c.redis.hset(
         c.keys.prefix_index(),
         mapping={
             turn[0]: "i0#1|x i1#1|2 junk",
-            turn[1]: "|||",
+            turn[1]: b"\xff\xfe|1",
             "i0#1": "several",
             "i1#1": "many",
             "#about": "x",
@@ -539,3 +539,4 @@ async def test_garbage_in_the_index_costs_credit_never_a_request(
     await c.prefix.record("i0", turn)  # i0's count starts again
     assert await c.prefix.cached_tokens(turn) == {"i0": 2 * TOKENS}
     assert (await counts(c))["i0#1"] == "2"
+    assert await owners(c) == {turn[0]: "i0#1|2", turn[1]: "i0#1|1"}  # entries only
