@@ -136,7 +136,7 @@ class CostResult:
     instances: int
     case: str  # what the requests are
     lookup_us: float  # one lookup: an HMGET of the blocks and one of their owners' counts
-    record_us: float  # one record: HINCRBY, HMGET and HSET, a share of reclaiming
+    record_us: float  # one record: record_prefix, and a share of sampled reclaims
     records_per_request: float  # a request whose blocks were all held records nothing
     cpu_us: float = float("nan")  # server main-thread CPU per request (lookup and record,
     # network included): what a preempted server's wall-clock usec_per_call leaves out
@@ -253,9 +253,11 @@ async def redis_cost(
                     await prefix.record(iid, hashes, found.get(iid, 0))
                 cpus.append((await _cpu_s(redis) - cpu) * 1e6 / len(part))
                 stats = await redis.info("commandstats")
-                # The record script's time, with its own commands' (and any record
-                # script of an earlier version), and the commands of sampled reclaims
-                # that no script runs; their HMGETs count in the lookups' row.
+                # The record script's time, its own commands' included (as an earlier
+                # version's record script), and that of the commands only sampled
+                # reclaims send. Their HMGETs and HSETs (one record in 16) share rows
+                # with the lookups' and the script's and are left out here;
+                # bench/instructions.py counts everything.
                 if "cmdstat_evalsha" in stats:
                     evalsha = stats["cmdstat_evalsha"]
                     reclaim = sum(float(stats[row]["usec"]) for row in RECLAIM_ROWS if row in stats)
