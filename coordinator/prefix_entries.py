@@ -45,6 +45,17 @@ def stem(owner: str, epoch: int) -> str:
     return f"{owner}#{epoch}"
 
 
+def owner_of(stem_: str) -> str:
+    """The instance id of a stem ("<id>#<epoch>"): ids have no '#'."""
+    return stem_.rpartition("#")[0]
+
+
+def is_block(field: str) -> bool:
+    """Whether an index field is a block hash: the others have a '#' ("<id>#<epoch>"
+    counts, "<id>#" latest epochs, "#about")."""
+    return "#" not in field
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One owner of a block: the instance, its epoch, the position of the record."""
@@ -76,25 +87,29 @@ def valid(position: int, count: int | None, capacity: int) -> bool:
     return count is not None and position > 0 and count - position < capacity
 
 
-def current_stems(values: Iterable[str | None], epoch_of: Callable[[str], int | None]) -> list[str]:
-    """The count fields a lookup needs: those of the owners named at their current
-    epoch (an entry of another epoch is void at once: a restart empties the cache)."""
+def current_stems(
+    entries: Iterable[Sequence[Entry]], epoch_of: Callable[[str], int | None]
+) -> list[str]:
+    """The count fields a lookup needs, for the entries of its blocks: those of the
+    owners named at their current epoch (an entry of another epoch is void at once: a
+    restart empties the cache)."""
     out: dict[str, None] = {}
-    for raw in values:
-        for e in parse_entries(raw):
+    for block in entries:
+        for e in block:
             if e.stem not in out and epoch_of(e.owner) == e.epoch:
                 out[e.stem] = None
     return list(out)
 
 
 def cached_blocks(
-    values: Sequence[str | None],
+    entries: Sequence[Sequence[Entry]],
     counts: Mapping[str, int | None],
     epoch_of: Callable[[str], int | None],
     capacity_of: Callable[[str], int],
 ) -> dict[str, int]:
-    """Blocks of the prompt each instance holds, from the values of its blocks in
-    prompt order and the counts of their owners (`current_stems`).
+    """Blocks of the prompt each instance holds, from the entries of its blocks in
+    prompt order (`parse_entries` of each value) and the counts of their owners
+    (`current_stems`).
 
     An instance holding block i holds the prompt up to the end of block i: the hash
     chains over everything before it, and an engine's cache drops a prefix's tail
@@ -103,8 +118,8 @@ def cached_blocks(
     a request held, see `PrefixIndex.record`).
     """
     held: dict[str, int] = {}
-    for position in range(len(values) - 1, -1, -1):
-        for e in parse_entries(values[position]):
+    for position in range(len(entries) - 1, -1, -1):
+        for e in entries[position]:
             if e.owner in held or epoch_of(e.owner) != e.epoch:
                 continue
             if valid(e.position, counts.get(e.stem), capacity_of(e.owner)):
@@ -125,12 +140,10 @@ def reclaimed(
     dels: list[str] = []
     sets: dict[str, str] = {}
     for field, value in sampled:
-        if field.startswith("#") or field.endswith("#"):
-            continue
-        if "#" in field:  # a count
+        if not is_block(field):
             owner, _, epoch = field.rpartition("#")
-            if not epoch.isdigit() or epochs.get(owner) != int(epoch):
-                dels.append(field)
+            if owner and epoch and (not epoch.isdigit() or epochs.get(owner) != int(epoch)):
+                dels.append(field)  # a count of another epoch than the registered one
             continue
         kept = [
             f"{e.stem}|{e.position}"
@@ -150,10 +163,9 @@ def sampled_names(sampled: Sequence[tuple[str, str]]) -> tuple[list[str], list[s
     owners: dict[str, None] = {}
     stems: dict[str, None] = {}
     for field, value in sampled:
-        if field.startswith("#") or field.endswith("#"):
-            continue
-        if "#" in field:
-            owners[field.rpartition("#")[0]] = None
+        if not is_block(field):
+            if owner_of(field) and not field.endswith("#"):  # a count
+                owners[owner_of(field)] = None
             continue
         for e in parse_entries(value):
             owners[e.owner] = None

@@ -50,6 +50,8 @@ from coordinator.prefix_entries import (
     SeenCounts,
     cached_blocks,
     current_stems,
+    owner_of,
+    parse_entries,
     reclaimed,
     sampled_names,
     stem,
@@ -136,10 +138,11 @@ class PrefixIndex:
             return {}  # degraded: no Redis round trip (and no timeout) per request
         try:
             values = _texts(await self._redis.hmget(self._index, list(hashes)))
-            counts = await self._known_counts(current_stems(values, self._epoch_of))
+            entries = [parse_entries(v) for v in values]
+            counts = await self._known_counts(current_stems(entries, self._epoch_of))
         except FAILURES:
             return {}  # the reserve that follows notices an outage and degrades
-        held = cached_blocks(values, counts, self._epoch_of, self.capacity_blocks)
+        held = cached_blocks(entries, counts, self._epoch_of, self.capacity_blocks)
         tokens = {iid: blocks * self.block_tokens for iid, blocks in held.items()}
         self.last_lookup = tokens
         hot, popular = hot_instances(held, hashes, self.hot, time.monotonic() * 1000)
@@ -152,7 +155,7 @@ class PrefixIndex:
         out: dict[str, int | None] = {}
         missing = []
         for s in stems:
-            count = self.seen.fresh(s, self.capacity_blocks(s.rpartition("#")[0]), now)
+            count = self.seen.fresh(s, self.capacity_blocks(owner_of(s)), now)
             if count is None:
                 missing.append(s)
             else:

@@ -34,15 +34,16 @@ def test_an_entry_is_valid_within_its_instances_last_capacity_blocks() -> None:
 def test_cached_blocks_credits_the_deepest_valid_entry_at_the_current_epoch() -> None:
     epochs = {"a": 1, "b": 2}.get
     values = ["a#1|9 b#2|9 c#1|9", "a#1|8 b#1|8", None, "a#1|7", "a#1|1"]
+    entries = [parse_entries(v) for v in values]
     counts = {"a#1": 10, "b#2": 9, "c#1": 9}
     # c is not registered and b's second block is from an older epoch: b holds 1
     # block. a holds block 4, so the prompt up to its end (chained hashes), although
     # block 3 has no entry; a's entry at block 5 fell out (capacity 4, count 10).
-    assert cached_blocks(values, counts, epochs, lambda _: 4) == {"a": 4, "b": 1}
-    assert cached_blocks(values, counts, epochs, lambda _: 100) == {"a": 5, "b": 1}
+    assert cached_blocks(entries, counts, epochs, lambda _: 4) == {"a": 4, "b": 1}
+    assert cached_blocks(entries, counts, epochs, lambda _: 100) == {"a": 5, "b": 1}
     assert cached_blocks([], counts, epochs, lambda _: 4) == {}
     # Only the counts of owners at their current epoch are asked for.
-    assert current_stems(values, epochs) == ["a#1", "b#2"]
+    assert current_stems(entries, epochs) == ["a#1", "b#2"]
 
 
 def test_reclaim_keeps_valid_entries_and_drops_the_rest() -> None:
