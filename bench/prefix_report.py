@@ -420,31 +420,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             speed=args.speed,
             prefix_cache_tokens=capacities[0],
         )
+
+        def slice_run(config: LiveConfig) -> LiveRun:
+            return run_live(
+                args.mooncake,
+                offset=args.live_offset,
+                limit=args.live_limit,
+                utilization=args.utilization,
+                strategies=["least_load"],
+                config=config,
+                progress=log,
+            )
+
         runs: list[LiveRun] = []
         controls: list[LiveRun] = []
         for _ in range(args.live_runs):
-            runs.append(
-                run_live(
-                    args.mooncake,
-                    offset=args.live_offset,
-                    limit=args.live_limit,
-                    utilization=args.utilization,
-                    strategies=["least_load"],
-                    config=live_config,
-                    progress=log,
-                )
-            )
-            controls.append(
-                run_live(
-                    args.mooncake,
-                    offset=args.live_offset,
-                    limit=args.live_limit,
-                    utilization=args.utilization,
-                    strategies=["least_load"],
-                    config=replace(live_config, prefix_cache_tokens=0, speed=runs[0].config.rate),
-                    progress=log,
-                )
-            )
+            runs.append(slice_run(live_config))
+            rate = runs[0].config.rate
+            controls.append(slice_run(replace(live_config, prefix_cache_tokens=0, speed=rate)))
         run = runs[0]
         table, checks = live_part(runs, controls)
         summary += checks
