@@ -14,17 +14,33 @@ local cursor = ARGV[1] or '0'
 if cursor == '' or not valid_cursor(cursor) then
   return fail('bad_arg', 'cursor must be an HSCAN cursor')
 end
-local out, epochs = {}, {}
 local page = redis.call('HSCAN', KEYS[17], cursor, 'COUNT', 256)
 local flat = page[2]
+-- Each instance on the page once, then its current and recorded epochs in two HMGETs
+-- (not two HGETs an instance: a page holds about 64 of them).
+local ids, at, owner = {}, {}, {}
 for i = 1, #flat, 2 do
   local id = string.match(flat[i], '^(.*):[%w_]+$')
-  if id and epochs[id] == nil then
-    local current = redis.call('HGET', K_EPOCH, id)
-    epochs[id] = current ~= false
-      and current == redis.call('HGET', KEYS[17], id .. ':epoch')
+  owner[i] = id
+  if id and at[id] == nil then
+    ids[#ids + 1] = id
+    at[id] = #ids
   end
-  if id and epochs[id] then
+end
+local current = {}
+if #ids > 0 then
+  local recorded = {}
+  for k, id in ipairs(ids) do recorded[k] = id .. ':epoch' end
+  local now_epochs = redis.call('HMGET', K_EPOCH, unpack(ids))
+  local kept_epochs = redis.call('HMGET', KEYS[17], unpack(recorded))
+  for k = 1, #ids do
+    current[k] = now_epochs[k] ~= false and now_epochs[k] == kept_epochs[k]
+  end
+end
+local out = {}
+for i = 1, #flat, 2 do
+  local id = owner[i]
+  if id and current[at[id]] then
     out[#out + 1] = flat[i]
     out[#out + 1] = flat[i + 1]
   end

@@ -79,3 +79,19 @@ async def test_a_recovered_instance_leaves_no_record(make_coordinator: MakeCoord
     }
     assert not {f for f in fields if f.startswith("i0:")}
     assert set((await c.read_outliers()).states) == {"i1"}  # the ejected one stays
+
+
+async def test_read_outliers_leaves_out_earlier_epochs_and_removed_instances(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """A record is read only while its instance is registered at the epoch it failed
+    under: a restarted or removed engine's failures say nothing about it now."""
+    c = await pool_of(make_coordinator, 200)  # several pages of records
+    policy = OutlierPolicy(consecutive_failures=1000)  # count, never eject
+    for i in range(200):
+        await c.record_outcome(f"i{i}", False, policy, "status_500")
+    restarted = await c.register_instance(spec(7))
+    await c.register_instance(spec(7, epoch=restarted.epoch + 1))
+    await c.unregister_instance("i9")
+    view = await c.read_outliers()
+    assert set(view.states) == {f"i{i}" for i in range(200)} - {"i7", "i9"}
