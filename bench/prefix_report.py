@@ -491,9 +491,10 @@ read again once {s.snapshot_max_age_ms} ms old, as the nodes do), utilization {a
 (computed on uncached work, so caching lowers the real load). The nodes' defaults:
 `ttft_ms` weight {s.weights.ttft_ms:g}, `prefill_ms` weight {s.weights.prefill_ms:g},
 hot-spot guard {s.prefix_guard_ms} ms ({s.prefix_hot_guard_ms} ms for a hot prefix: one the
-node routed within {s.prefix_hot_ms} ms under another prompt; while an instance is idle a hot
-prefix's holder also keeps its credit only within {s.prefix_hot_load_pct}% of its share of
-the requests, bounded loads, if the prefix is short or popular), at
+node routed within {s.prefix_hot_ms} ms under another prompt; a hot prefix goes only to
+instances within {s.prefix_hot_load_pct}% of their share of the requests, bounded loads, if
+the prefix is short or popular: any instance while one is idle, else only among its
+holders), at
 most {s.prefix_max_blocks} blocks looked up per request, {s.prefix_max_owners}
 owners per block, an index entry every {s.prefix_record_stride} blocks and at the
 prompt's last (every {NODE_STRIDE} trace blocks in the sim, the same tokens; the

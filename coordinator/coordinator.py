@@ -672,8 +672,13 @@ class Coordinator:
             raise CoordinationUnavailableError("coordination is degraded")
         refreshed = await self._ensure_view()
         ranked_as = self._guard_hot_spots(request)
+        # A hot prefix's request passes the instances over their share by, unless every
+        # other one is too (coordinator/prefix.py CachedTokens.crowded).
+        crowded: frozenset[str] = getattr(ranked_as.cached_tokens, "crowded", frozenset())
         for attempt in range(s.reserve_retries + 1):
-            ranking = self._rank_for_reserve(strategy, skip, ranked_as)
+            ranking = self._rank_for_reserve(strategy, skip | crowded, ranked_as)
+            if crowded and not ranking.ranked:
+                ranking = self._rank_for_reserve(strategy, skip, ranked_as)
             candidates, ties = ranking.for_reserve(s.top_k)
             if not candidates and not refreshed:
                 # A young cache may predate a registration: look again before a 503.

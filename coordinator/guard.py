@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from coordinator.models import InstanceRow, InstanceSpec, RequestShape
 from coordinator.settings import Weights
@@ -19,7 +19,8 @@ def guard_bounds(
     the bounds lua/reserve.lua takes it within:
 
     - the most live and prefill-phase reservations it may have: what the node observed
-      (plus its affinity slack), raised to the least it observed on any candidate
+      (plus its affinity slack; for the holder of a hot prefix, at most what the
+      bounded loads allow it: `CachedTokens.most_inflight`), raised to the least it observed on any candidate
       ranked after it. A candidate that got busier is still the better choice while it
       is no busier than the alternatives the node knows;
     - when the weights rank on predicted TTFT (`ttft_ms` > 0), the latest its prefill
@@ -38,10 +39,13 @@ def guard_bounds(
     floor_inflight = floor_pending = -1  # -1: no later candidate yet
     floor_ttft: int | None = None
     cached = bool(request.cached_tokens)
+    most: Mapping[str, int] = getattr(request.cached_tokens, "most_inflight", {})
     for j in range(len(rows) - 1, -1, -1):
         row = rows[j]
         slack = affinity_slack(row.spec, request, weights) if cached else 0
         inflight, pending = row.inflight + slack, row.pending_prefill + slack
+        if row.id in most:  # a hot prefix's holder: within the bounded loads on Redis
+            inflight, pending = min(inflight, most[row.id]), min(pending, most[row.id])
         if prefill_ms is not None:
             own = prefill_ms[j]
         else:

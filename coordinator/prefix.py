@@ -111,22 +111,31 @@ class CachedTokens(dict[str, int]):
     routed it moments ago under another prompt (`HotPrefixes`), and `popular`: those
     of them whose prefix went under several. The hot-spot guard fades a hot prefix's
     credit over its shorter hot distance; a plain mapping of cached tokens has no hot
-    prefixes.
+    prefixes. `most_inflight`: for the instances that kept a hot prefix's credit under
+    the bounded loads (`guarded_cached_tokens`), the most requests in flight each may
+    have, before this one, for reserve to still take it (coordinator/guard.py);
+    `crowded`: the instances over their share under those bounded loads, which the
+    request goes to only when every other is too (consistent hashing with bounded
+    loads passes a full bin by, not only its credit).
     """
 
-    __slots__ = ("hot", "popular")
+    __slots__ = ("crowded", "hot", "most_inflight", "popular")
 
     def __init__(
         self,
         tokens: Mapping[str, int] | None = None,
         hot: Iterable[str] = (),
         popular: Iterable[str] = (),
+        most_inflight: Mapping[str, int] | None = None,
+        crowded: Iterable[str] = (),
     ) -> None:
         super().__init__(tokens or {})
         self.hot: frozenset[str] = frozenset(hot)
         # Of `hot`, those whose credited block went under several prompts lately
         # (POPULAR_COUNT): spreading such a prefix pays for its copy, whatever its size.
         self.popular: frozenset[str] = frozenset(popular)
+        self.most_inflight: Mapping[str, int] = most_inflight or {}
+        self.crowded: frozenset[str] = frozenset(crowded)
 
 
 class _Window(Generic[V]):
@@ -291,46 +300,90 @@ def hot_capacity(total: float, instances: int, load_pct: int) -> int | None:
     return max(1, math.floor(load_pct * (total + 1) / (100 * instances)))
 
 
-def hot_room(
-    loads: Sequence[tuple[Callable[[str], float | None], float]], instances: int, load_pct: int
-) -> Callable[[str], bool] | None:
-    """Whether an instance has room for one more request of a hot prefix under every
-    one of `loads` ((load of an instance, total of the pool) pairs): within
-    `hot_capacity` of each. None when the rule is off. An instance whose load is not
-    known has no room."""
-    if load_pct <= 0 or instances <= 0:
-        return None
-    capacities = [(load_of, hot_capacity(total, instances, load_pct)) for load_of, total in loads]
+class Room:
+    """Whether an instance has room for one more request of a hot prefix (call it
+    with the instance id), and `most_inflight`: the most requests in flight on the
+    pool an instance may have, before this one, to have room (None: no bound on them).
+    The node's view of the counts may be a few hundred ms old: reserve enforces
+    `most_inflight` on Redis's counts, so that nodes whose views all show the holder
+    idle do not all give it the prefix's next request. `instances`: the instances
+    the loads cover (`crowded` names those of them without room). `idle`: whether some
+    instance is idle, so that a holder without room loses its credit and the request
+    passes every instance without room by; else it passes only holders without room
+    by, and only while another holder has room (`idle_fleet_room`)."""
 
-    def room(iid: str) -> bool:
-        for load_of, capacity in capacities:
+    __slots__ = ("_capacities", "idle", "instances", "most_inflight")
+
+    def __init__(
+        self,
+        capacities: Sequence[tuple[Callable[[str], float | None], int | None]],
+        most_inflight: int | None = None,
+        instances: Iterable[str] = (),
+        idle: bool = True,
+    ) -> None:
+        self._capacities = capacities
+        self.most_inflight = most_inflight
+        self.instances = tuple(instances)
+        self.idle = idle
+
+    def __call__(self, iid: str) -> bool:
+        for load_of, capacity in self._capacities:
             load = load_of(iid)
             if load is None or (capacity is not None and load + 1 > capacity):
                 return False
         return True
 
-    return room
+    def crowded(self) -> frozenset[str]:
+        """The instances without room."""
+        return frozenset(iid for iid in self.instances if not self(iid))
+
+
+def hot_room(
+    loads: Sequence[tuple[Callable[[str], float | None], float]],
+    instances: int,
+    load_pct: int,
+    pool: int | None = None,
+    ids: Iterable[str] = (),
+    idle: bool = True,
+) -> Room | None:
+    """Whether an instance has room for one more request of a hot prefix under every
+    one of `loads` ((load of an instance, total of the pool) pairs): within
+    `hot_capacity` of each. None when the rule is off. An instance whose load is not
+    known has no room. `pool`: which of `loads` counts the pool's requests in flight
+    (Room.most_inflight comes from its capacity); `ids`: the instances they cover;
+    `idle`: Room.idle."""
+    if load_pct <= 0 or instances <= 0:
+        return None
+    capacities = [(load_of, hot_capacity(total, instances, load_pct)) for load_of, total in loads]
+    most = None
+    if pool is not None:
+        cap = capacities[pool][1]
+        most = None if cap is None else cap - 1
+    return Room(capacities, most, ids, idle)
 
 
 def idle_fleet_room(
     inflight: Mapping[str, float], routes: RecentCounts, now_ms: float, load_pct: int
-) -> Callable[[str], bool] | None:
-    """The hot-spot guard's bounded loads as the nodes apply them: only while an
-    instance is idle (nothing in flight), on both the pool's requests in flight
-    (`inflight`, per alive instance) and the requests this node routed lately
-    (`routes`). With no instance idle the backlog guard alone spreads a popular
-    prefix: there the counts say little (a few long requests each) and denying a
-    holder its credit would copy the prefix into another cache for nothing. None
-    when the rule does not apply."""
-    if load_pct <= 0 or not inflight or min(inflight.values()) > 0:
+) -> Room | None:
+    """The hot-spot guard's bounded loads as the nodes apply them, on the pool's
+    requests in flight (`inflight`, per alive instance) and the requests this node
+    routed lately (`routes`), while an instance is idle (nothing in flight). With no
+    instance idle, on the routes alone and only among the prefix's holders (`Room.idle`
+    False): there the counts in flight say little (a few long requests each) and
+    denying a holder its credit would copy the prefix into another cache for nothing,
+    but of several holders the request may as well go to one within its share. None
+    when the rule is off."""
+    if load_pct <= 0 or not inflight:
         return None
+    routed = (lambda iid: routes.count(iid, now_ms), routes.total(now_ms))
+    if min(inflight.values()) > 0:
+        return hot_room([routed], len(inflight), load_pct, ids=inflight, idle=False)
     return hot_room(
-        [
-            (inflight.get, sum(inflight.values())),
-            (lambda iid: routes.count(iid, now_ms), routes.total(now_ms)),
-        ],
+        [(inflight.get, sum(inflight.values())), routed],
         len(inflight),
         load_pct,
+        pool=0,
+        ids=inflight,
     )
 
 
@@ -342,7 +395,7 @@ def guarded_cached_tokens(
     hot_guard_ms: int = 0,
     room: Callable[[str], bool] | None = None,
     cheap_copy: int = 0,
-) -> dict[str, int]:
+) -> CachedTokens:
     """The hot-spot guard: cache credit fades as an instance gets busier than the least
     busy candidate, and is gone once it is `guard_ms` of backlog ahead (`hot_guard_ms`
     for the instances `CachedTokens.hot` names).
@@ -373,7 +426,12 @@ def guarded_cached_tokens(
     `hot_room()`, the bounded-loads rule): the nodes give it the requests in flight
     in the pool and those the node routed lately. A holder over its share loses the
     credit, the request goes where the load is, and that instance holds the prefix
-    from then on. Only where that copy pays: a short prefix (at most `cheap_copy`
+    from then on. Once several instances hold it, losing credit changes nothing, so
+    the result names the instances over their share (`CachedTokens.crowded`), which
+    the request passes by, and bounds the others' requests in flight on Redis
+    (`CachedTokens.most_inflight`). With no instance idle (`Room.idle` False) no
+    credit is lost, and the request passes by only holders over their share of the
+    node's routes while another holder is within it. Only where that copy pays: a short prefix (at most `cheap_copy`
     tokens, a small share of a cache: `cheap_copy_tokens()`) or a popular one
     (`CachedTokens.popular`, whose copy serves the requests to come). A long prefix that went under
     one other prompt stays with its holder under the backlog guard: copying it would
@@ -381,25 +439,47 @@ def guarded_cached_tokens(
     Conversations' next turns are not hot (`HotPrefixes`) and keep their holder.
     """
     if guard_ms <= 0:
-        return dict(cached)
+        return CachedTokens(cached)
     hot: frozenset[str] = frozenset()
     popular: frozenset[str] = frozenset()
     if isinstance(cached, CachedTokens):
         hot, popular = cached.hot, cached.popular
     out: dict[str, int] = {}
+    bounded: dict[str, int] = {}
+    most = room.most_inflight if isinstance(room, Room) else None
+
+    def applies(iid: str, tokens: int) -> bool:
+        return iid in hot and room is not None and (tokens <= cheap_copy or iid in popular)
+
+    # The bounded loads pass crowded instances by only when the deepest credit is a hot
+    # prefix they apply to: a deeper one elsewhere is a conversation's own history.
+    deepest = max(cached.values(), default=0)
+    spread = deepest > 0 and all(applies(i, t) for i, t in cached.items() if t == deepest)
+    idle = not isinstance(room, Room) or room.idle
     for iid, tokens in cached.items():
         backlog = backlog_of(iid)
         if backlog is None:
             continue
-        if (
-            iid in hot
-            and room is not None
-            and (tokens <= cheap_copy or iid in popular)
-            and not room(iid)
-        ):
-            continue
+        if applies(iid, tokens):
+            assert room is not None
+            if idle and not room(iid):
+                continue
+            if most is not None:
+                bounded[iid] = most
         distance = hot_guard_ms if iid in hot and hot_guard_ms > 0 else guard_ms
         share = 1.0 - max(0, backlog - floor_backlog_ms) / distance
         if share > 0:
             out[iid] = int(tokens * min(1.0, share))
-    return out
+    crowded: frozenset[str] = frozenset()
+    if spread and isinstance(room, Room):
+        if idle:
+            crowded = room.crowded()
+        else:
+            holders = [iid for iid, tokens in cached.items() if tokens == deepest]
+            full = frozenset(iid for iid in holders if not room(iid))
+            crowded = full if len(full) < len(holders) else frozenset()
+    return CachedTokens(
+        out,
+        most_inflight={iid: bounded[iid] for iid in bounded if iid in out},
+        crowded=crowded,
+    )

@@ -135,9 +135,10 @@ class Settings:
     prefix_guard_ms: int = 10_000  # cache credit fades over this much extra backlog; 0 = off
     prefix_hot_guard_ms: int = 3_000  # the same for a hot prefix (0: prefix_guard_ms)
     prefix_hot_ms: int = 3_000  # routed this recently under another prompt: hot; 0 = none
-    # While an instance is idle, a short or popular hot prefix keeps its credit only on
-    # instances within this percentage of their share of requests (bounded loads,
-    # coordinator/prefix.py idle_fleet_room); 0 = off.
+    # A short or popular hot prefix goes only to instances within this percentage of
+    # their share of requests (bounded loads, coordinator/prefix.py idle_fleet_room:
+    # of the pool's in flight and the node's recent ones while an instance is idle,
+    # else to holders within their share of the node's recent ones); 0 = off.
     prefix_hot_load_pct: int = 125
     # Learned timing (coordinator/timing.py; README "Prediction sources").
     timing_flush_ms: int = 2_000  # how often a node merges its samples and reads the pool's

@@ -653,6 +653,9 @@ class Simulation:
         assert node.view is not None
         w = self.config.weights
         rows = self._view_rows(node.view, now)
+        crowded: frozenset[str] = getattr(shape.cached_tokens, "crowded", frozenset())
+        if crowded:  # as Coordinator._decide_and_reserve: unless every one is crowded
+            rows = [r for r in rows if r.id not in crowded] or rows
         if self.strategy == "least_load_instantaneous":
             return least_load(rows, w, node.rr, use_predicted=False)
         if self.strategy == "power_of_two":

@@ -54,3 +54,17 @@ def test_a_cached_prefix_counts_only_the_uncached_prefill() -> None:
     assert slack > 0 and bounds[1][1] == 1 + slack
     assert bounds[1][2] == NOW + 26 - 6 + slack * 6  # the requests it may gain, at 6 ms
     assert bounds[0] == (1, 1, NOW + 20)  # the shortest later TTFT is still i2's 20
+
+
+def test_a_hot_prefix_holder_is_bounded_by_its_share_whatever_its_slack() -> None:
+    """The bounded loads' bound (CachedTokens.most_inflight) caps the holder's counts:
+    the node's view may show it idle while other nodes just gave it requests."""
+    from coordinator.prefix import CachedTokens
+
+    plain = RequestShape(100, 10, {"i1": 90})
+    capped = RequestShape(100, 10, CachedTokens({"i1": 90}, most_inflight={"i1": 1}))
+    weights = Weights.preset("ttft")
+    slack = guard_bounds(ROWS, plain, weights, NOW)[1]
+    assert slack[0] > 2 and slack[1] > 1  # the slack alone lets it gain requests
+    # Capped at 1 in flight, raised to the least later candidate's count (i2: 1).
+    assert guard_bounds(ROWS, capped, weights, NOW)[1][:2] == (1, 1)

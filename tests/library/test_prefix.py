@@ -13,6 +13,7 @@ from coordinator.prefix import (
     HotPrefixes,
     PromptBlocks,
     RecentCounts,
+    Room,
     block_hashes,
     canonical_prompt,
     cheap_copy_tokens,
@@ -232,16 +233,53 @@ def test_hot_instances_tell_a_next_turn_from_another_prompt_by_the_text() -> Non
     assert hot_instances({"i0": 2}, other, hot, 1) == ({"i0"}, set())
 
 
-def test_bounded_loads_apply_only_while_an_instance_is_idle() -> None:
+def test_bounded_loads_count_the_pool_in_flight_only_while_an_instance_is_idle() -> None:
     routes = RecentCounts(10_000)
     routes.note(["i0", "i0", "i0", "i1"], 0)
     busy = {"i0": 1.0, "i1": 1.0, "i2": 2.0}
-    assert idle_fleet_room(busy, routes, 1, 125) is None  # none idle: the backlog guard's
+    room = idle_fleet_room(busy, routes, 1, 125)
+    # none idle: the routes alone, floor(1.25 x 5 / 3) = 2, and no bound in flight
+    assert room is not None and not room.idle and room.most_inflight is None
+    assert not room("i0") and room("i1") and room("i2")
     idle = {"i0": 1.0, "i1": 0.0, "i2": 0.0}
     room = idle_fleet_room(idle, routes, 1, 125)
     # in flight: capacity floor(1.25 x 2 / 3) -> 1; routed: floor(1.25 x 5 / 3) = 2
-    assert room is not None and not room("i0") and room("i1") and room("i2")
+    assert room is not None and room.idle and room.most_inflight == 0
+    assert not room("i0") and room("i1") and room("i2")
+    assert room.crowded() == {"i0"}
+    idle["i1"] = 1.0  # i1 now has its share in flight
+    assert idle_fleet_room(idle, routes, 1, 125).crowded() == {"i0", "i1"}  # type: ignore[union-attr]
     assert idle_fleet_room(idle, routes, 1, 0) is None  # off
+
+
+def _room(idle: bool, without: set[str], ids: set[str]) -> Room:
+    return Room([(lambda i: 1.0 if i in without else 0.0, 1)], 0 if idle else None, ids, idle)
+
+
+def test_a_hot_prefix_passes_the_instances_over_their_share_by() -> None:
+    """Bounded loads pass a crowded instance by, not only its credit: with every holder
+    of a shared system prompt equally credited, dropping the credit alone changes
+    nothing, and the first-turns of new conversations pile up on one of them."""
+    everyone = {"a", "b", "c", "d"}
+    cached = CachedTokens({"a": 2048, "b": 2048, "c": 2048}, hot={"a", "b", "c"})
+    guarded = lambda c, room: guarded_cached_tokens(  # noqa: E731
+        c, lambda _: 0.0, 0.0, 10_000, 3000, room, 8000
+    )
+    # Some instance idle: every instance over its share is passed by; the holders that
+    # keep their credit get the bound in flight reserve enforces on Redis's counts.
+    out = guarded(cached, _room(True, {"a", "d"}, everyone))
+    assert out == {"b": 2048, "c": 2048}
+    assert out.crowded == {"a", "d"} and out.most_inflight == {"b": 0, "c": 0}
+    # None idle: only holders over their share, while another holder has room.
+    out = guarded(cached, _room(False, {"a", "d"}, everyone))
+    assert out == cached and out.crowded == {"a"} and out.most_inflight == {}
+    assert guarded(cached, _room(False, {"a", "b", "c"}, everyone)).crowded == set()
+    # A deeper credit that is not hot is a conversation's own history: nothing passed by.
+    turn = CachedTokens({"a": 4096, "b": 2048, "c": 2048}, hot={"b", "c"})
+    assert guarded(turn, _room(True, {"a", "d"}, everyone)).crowded == set()
+    # A long prefix that is not popular stays with its holders: nothing passed by.
+    long = CachedTokens({"a": 9000, "b": 9000}, hot={"a", "b"})
+    assert guarded(long, _room(True, {"a"}, everyone)).crowded == set()
 
 
 def test_the_bounded_loads_share_is_off_or_at_least_the_mean() -> None:

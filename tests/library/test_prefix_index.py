@@ -3,6 +3,8 @@ the real server and fakeredis (they must agree): lookup, bounds, epochs, privacy
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from coordinator import Coordinator, ScriptArgumentError
@@ -456,6 +458,36 @@ async def test_reserve_spreads_a_short_hot_prefix_while_an_instance_is_idle(
         assert res.instance_id == "i0"
         for r in (res, *others, busy):
             await c.release(r.rid)
+
+
+async def test_reserve_passes_a_crowded_holder_of_a_hot_prefix_by_for_another_holder(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Nobody idle, i0 and i1 hold a hot system prompt equally, and this node routed
+    i0 over its share lately: the request goes to i1, though i1 is busier now (credit
+    dropping alone would change nothing: both hold it). With the rule off, to i0."""
+    for pct, goes_to in ((125, "i1"), (0, "i0")):
+        c = await make_coordinator(f"n-crowded-{pct}", prefix_hot_load_pct=pct)
+        for i in range(3):
+            await c.register_instance(spec(i))
+        await c.refresh()
+        held = [await c.reserve(100, 1, exclude=[f"i{j}" for j in range(3) if j != k])
+                for k in (0, 1, 1, 2)]  # fmt: skip
+        c.prefix.routes.note(["i0", "i0", "i0"], time.monotonic() * 1000)
+        cached = CachedTokens({"i0": 2000, "i1": 2000}, hot={"i0", "i1"})
+        res = await c.reserve(4000, 1, cached_tokens=cached)
+        assert res.instance_id == goes_to, pct
+        for r in (res, *held):
+            await c.release(r.rid)
+    # Every instance over its share (all idle, each routed here lately): the request is
+    # placed all the same, as if no rule applied.
+    c = await make_coordinator("n-crowded-all")
+    for i in range(3):
+        await c.register_instance(spec(i))
+    await c.refresh()
+    c.prefix.routes.note(["i0", "i1", "i2"], time.monotonic() * 1000)  # share: 1 each
+    res = await c.reserve(4000, 1, cached_tokens=cached)
+    assert res.instance_id in {"i0", "i1", "i2"}
 
 
 async def test_sampled_records_keep_the_index_within_its_valid_entries_and_a_few(
