@@ -20,8 +20,8 @@ def guard_bounds(
 
     - the most live and prefill-phase reservations it may have: what the node observed
       (plus its affinity slack; for the holder of a hot prefix, at most what the
-      bounded loads allow it: `CachedTokens.most_inflight`), raised to the least it observed on any candidate
-      ranked after it. A candidate that got busier is still the better choice while it
+      bounded loads allow it: `CachedTokens.most_inflight`), raised to the least it
+      observed on any candidate ranked after it. A candidate that got busier is still the better choice while it
       is no busier than the alternatives the node knows;
     - when the weights rank on predicted TTFT (`ttft_ms` > 0), the latest its prefill
       may be busy until (`prefill_free_at_ms`, Redis ms; 0 = no bound): the start that

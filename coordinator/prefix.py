@@ -431,10 +431,11 @@ def guarded_cached_tokens(
     the request passes by, and bounds the others' requests in flight on Redis
     (`CachedTokens.most_inflight`). With no instance idle (`Room.idle` False) no
     credit is lost, and the request passes by only holders over their share of the
-    node's routes while another holder is within it. Only where that copy pays: a short prefix (at most `cheap_copy`
-    tokens, a small share of a cache: `cheap_copy_tokens()`) or a popular one
-    (`CachedTokens.popular`, whose copy serves the requests to come). A long prefix that went under
-    one other prompt stays with its holder under the backlog guard: copying it would
+    node's routes while another holder is within it. All of this only where a copy
+    pays: a short prefix (at most `cheap_copy` tokens, a small share of a cache:
+    `cheap_copy_tokens()`) or a popular one (`CachedTokens.popular`, whose copy
+    serves the requests to come). A long prefix that went under one other prompt
+    stays with its holder under the backlog guard: copying it would
     evict a large share of another cache for a request or two.
     Conversations' next turns are not hot (`HotPrefixes`) and keep their holder.
     """
