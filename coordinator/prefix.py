@@ -326,16 +326,26 @@ class Room:
         self.instances = tuple(instances)
         self.idle = idle
 
+    @staticmethod
+    def _over(load_of: Callable[[str], float | None], capacity: int | None, iid: str) -> bool:
+        load = load_of(iid)
+        return load is None or (capacity is not None and load + 1 > capacity)
+
     def __call__(self, iid: str) -> bool:
-        for load_of, capacity in self._capacities:
-            load = load_of(iid)
-            if load is None or (capacity is not None and load + 1 > capacity):
-                return False
-        return True
+        return not any(self._over(load_of, cap, iid) for load_of, cap in self._capacities)
 
     def crowded(self) -> frozenset[str]:
-        """The instances without room."""
-        return frozenset(iid for iid in self.instances if not self(iid))
+        """The instances without room. When that is every one (with two loads, every
+        instance can be over its share of one or the other), those over their share
+        of the last load alone, unless that too is every one: so a request still
+        goes to an instance within its share of the node's recent requests, the
+        longer view, when the counts in flight leave none."""
+        full = frozenset(iid for iid in self.instances if not self(iid))
+        if len(full) < len(self.instances) or len(self._capacities) < 2:
+            return full
+        load_of, capacity = self._capacities[-1]
+        last = frozenset(iid for iid in self.instances if self._over(load_of, capacity, iid))
+        return last if len(last) < len(self.instances) else full
 
 
 def hot_room(

@@ -252,6 +252,24 @@ def test_bounded_loads_count_the_pool_in_flight_only_while_an_instance_is_idle()
     assert idle_fleet_room(idle, routes, 1, 0) is None  # off
 
 
+def test_with_every_instance_over_one_share_the_node_routes_decide() -> None:
+    """Two loads can leave no instance within both shares: the only idle instance is
+    the one this node routed most. Then the routes alone say who is crowded, so the
+    request still goes to an instance within its share of them, not to the idle one."""
+    routes = RecentCounts(10_000)
+    routes.note(["i0", "i0", "i0", "i1", "i1", "i1"], 0)
+    inflight = {"i0": 0.0, "i1": 1.0, "i2": 1.0, "i3": 1.0}
+    room = idle_fleet_room(inflight, routes, 1, 125)
+    # in flight: floor(1.25 x 4 / 4) = 1 (only i0 has room); routed: floor(1.25 x 7 / 4) = 2
+    assert room is not None and not any(room(i) for i in inflight)
+    assert room.crowded() == {"i0", "i1"}
+    # One route each: floor(1.25 x 5 / 4) = 1, every one over on the routes too: the
+    # rule cannot choose, and names every instance (the caller then ranks them all).
+    even = RecentCounts(10_000)
+    even.note(["i0", "i1", "i2", "i3"], 0)
+    assert idle_fleet_room(inflight, even, 1, 125).crowded() == set(inflight)  # type: ignore[union-attr]
+
+
 def _room(idle: bool, without: set[str], ids: set[str]) -> Room:
     return Room([(lambda i: 1.0 if i in without else 0.0, 1)], 0 if idle else None, ids, idle)
 
