@@ -491,7 +491,7 @@ read again once {s.snapshot_max_age_ms} ms old, as the nodes do), utilization {a
 (computed on uncached work, so caching lowers the real load). The nodes' defaults:
 `ttft_ms` weight {s.weights.ttft_ms:g}, `prefill_ms` weight {s.weights.prefill_ms:g},
 hot-spot guard {s.prefix_guard_ms} ms ({s.prefix_hot_guard_ms} ms for a hot prefix: one the
-node routed within {s.prefix_hot_ms} ms under another prompt; a hot prefix goes only to
+node routed within {s.prefix_hot_ms} ms under another prompt; a hot prefix goes first to
 instances within {s.prefix_hot_load_pct}% of their share of the requests, bounded loads, if
 the prefix is short or popular: any instance while one is idle, else only among its
 holders), at

@@ -60,7 +60,7 @@ from coordinator.pressure import instance_load
 from coordinator.scripts import OWN_KEYS, Scripts
 from coordinator.settings import STRATEGIES, Settings
 from coordinator.snapshot import PoolCache, Snapshot
-from coordinator.strategies import Ranking, RoundRobin, eligible, rank
+from coordinator.strategies import Ranking, RoundRobin, Score, eligible, rank
 from coordinator.tasks import raise_if_cancelling
 from coordinator.timing import (
     DEFAULT_OUTPUT_TOKENS,
@@ -672,20 +672,13 @@ class Coordinator:
             raise CoordinationUnavailableError("coordination is degraded")
         refreshed = await self._ensure_view()
         ranked_as = self._guard_hot_spots(request)
-        # A hot prefix's request passes the instances over their share by, unless every
-        # other one is too (coordinator/prefix.py CachedTokens.crowded).
-        crowded: frozenset[str] = getattr(ranked_as.cached_tokens, "crowded", frozenset())
         for attempt in range(s.reserve_retries + 1):
-            ranking = self._rank_for_reserve(strategy, skip | crowded, ranked_as)
-            if crowded and not ranking.ranked:
-                ranking = self._rank_for_reserve(strategy, skip, ranked_as)
-            candidates, ties = ranking.for_reserve(s.top_k)
+            candidates, ties, scores = self._candidates(strategy, skip, ranked_as)
             if not candidates and not refreshed:
                 # A young cache may predate a registration: look again before a 503.
                 await self.refresh()
                 refreshed = True
-                ranking = self._rank_for_reserve(strategy, skip, ranked_as)
-                candidates, ties = ranking.for_reserve(s.top_k)
+                candidates, ties, scores = self._candidates(strategy, skip, ranked_as)
             if not candidates:
                 raise NoInstanceError("no alive instance in pool " + self.pool)
             candidates = self._slot_ordered(candidates, ties)
@@ -761,7 +754,7 @@ class Coordinator:
                     # reservation must go to the URL Redis has now, not the cached one.
                     with suppress(CoordinationUnavailableError):
                         await self._read_specs(self._call)
-                return self._record(rid, reply, request, ranking)
+                return self._record(rid, reply, request, scores)
             if status == "nolease":
                 # Peers may have reaped this node: re-assert before writing again.
                 self.stats.lease_losses += 1
@@ -826,6 +819,27 @@ class Coordinator:
         )
         return replace(request, cached_tokens=cached)
 
+    def _candidates(
+        self, strategy: str | None, skip: frozenset[str], request: RequestShape
+    ) -> tuple[list[str], int, Mapping[str, Score]]:
+        """The top_k candidates for reserve, how many of them lead tied, and the
+        scores of those ranked. A hot
+        prefix's request (coordinator/prefix.py CachedTokens.crowded) takes the
+        instances within their share first, as ranked, then those over it: reserve's
+        walk, on Redis's counts, falls back on one of these when every other got
+        busier than the node saw. Leaving them out would hand a node whose view shows
+        one instance within its share (one that just became the least routed at
+        every node) a single candidate, forced on it whatever its load now."""
+        k = self.settings.top_k
+        crowded: frozenset[str] = getattr(request.cached_tokens, "crowded", frozenset())
+        ranking = self._rank_for_reserve(strategy, skip | crowded, request)
+        first, ties = ranking.for_reserve(k)
+        if not crowded or len(first) >= k:
+            return first, ties, ranking.scores
+        others = self._rank_for_reserve(strategy, skip | frozenset(first), request)
+        rest, rest_ties = others.for_reserve(k - len(first))
+        return first + rest, ties if first else rest_ties, {**others.scores, **ranking.scores}
+
     def _rank_for_reserve(
         self, strategy: str | None, skip: frozenset[str], request: RequestShape
     ) -> Ranking:
@@ -885,7 +899,7 @@ class Coordinator:
         )
 
     def _record(
-        self, rid: str, reply: list[Any], request: RequestShape, ranking: Ranking
+        self, rid: str, reply: list[Any], request: RequestShape, scores: Mapping[str, Score]
     ) -> Reservation:
         prompt, expected = request.prompt_tokens, request.expected_output_tokens
         iid, epoch = str(reply[1]), int(reply[2])
@@ -916,7 +930,7 @@ class Coordinator:
             prompt,
             expected,
             False,
-            ranking.scores,
+            scores,
             request.cached_on(iid),
             alone,
             row.inflight if row is not None else 0,

@@ -115,8 +115,8 @@ class CachedTokens(dict[str, int]):
     the bounded loads (`guarded_cached_tokens`), the most requests in flight each may
     have, before this one, for reserve to still take it (coordinator/guard.py);
     `crowded`: the instances over their share under those bounded loads, which the
-    request goes to only when every other is too (consistent hashing with bounded
-    loads passes a full bin by, not only its credit).
+    request passes by (consistent hashing with bounded loads passes a full bin by,
+    not only its credit): reserve gets them after the others.
     """
 
     __slots__ = ("crowded", "hot", "most_inflight", "popular")

@@ -135,7 +135,7 @@ class Settings:
     prefix_guard_ms: int = 10_000  # cache credit fades over this much extra backlog; 0 = off
     prefix_hot_guard_ms: int = 3_000  # the same for a hot prefix (0: prefix_guard_ms)
     prefix_hot_ms: int = 3_000  # routed this recently under another prompt: hot; 0 = none
-    # A short or popular hot prefix goes only to instances within this percentage of
+    # A short or popular hot prefix goes first to instances within this percentage of
     # their share of requests (bounded loads, coordinator/prefix.py idle_fleet_room:
     # of the pool's in flight and the node's recent ones while an instance is idle,
     # else to holders within their share of the node's recent ones); 0 = off.

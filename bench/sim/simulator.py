@@ -648,14 +648,15 @@ class Simulation:
         assert choice is not None
         return self.index[choice.id]
 
-    def _rank(self, node: _Node, shape: RequestShape, now: int) -> Ranking:
-        """The node's ranking on its view."""
+    def _rank(
+        self, node: _Node, shape: RequestShape, now: int, skip: frozenset[str] = frozenset()
+    ) -> Ranking:
+        """The node's ranking on its view, without the instances of `skip`."""
         assert node.view is not None
         w = self.config.weights
         rows = self._view_rows(node.view, now)
-        crowded: frozenset[str] = getattr(shape.cached_tokens, "crowded", frozenset())
-        if crowded:  # as Coordinator._decide_and_reserve: unless every one is crowded
-            rows = [r for r in rows if r.id not in crowded] or rows
+        if skip:
+            rows = [r for r in rows if r.id not in skip]
         if self.strategy == "least_load_instantaneous":
             return least_load(rows, w, node.rr, use_predicted=False)
         if self.strategy == "power_of_two":
@@ -671,7 +672,7 @@ class Simulation:
         assert view is not None
         view.ensure(now)
         for attempt in range(c.reserve_retries + 1):
-            ids, ties = self._rank(node, shape, now).for_reserve(c.top_k)
+            ids, ties = self._candidates(node, shape, now)
             assert ids, "every simulated instance stays alive"
             candidates = [view.rows[iid] for iid in ids]
             bounds = guard_bounds(candidates, shape, c.weights, now)
@@ -701,6 +702,16 @@ class Simulation:
             self.stale_retries += 1
             view.read(now)  # a 'stale' reply carries the whole state
         raise AssertionError("unreachable: the last try is forced")
+
+    def _candidates(self, node: _Node, shape: RequestShape, now: int) -> tuple[list[str], int]:
+        """Coordinator._candidates: a hot prefix's crowded instances after the others."""
+        k = self.config.top_k
+        crowded: frozenset[str] = getattr(shape.cached_tokens, "crowded", frozenset())
+        first, ties = self._rank(node, shape, now, crowded).for_reserve(k)
+        if not crowded or len(first) >= k:
+            return first, ties
+        rest, rest_ties = self._rank(node, shape, now, frozenset(first)).for_reserve(k - len(first))
+        return first + rest, ties if first else rest_ties
 
     def _taken(self, chosen: InstanceRow, ties: int) -> int:
         """The instance a reserve took; one taken with ties moves the pool's turn."""

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from coordinator import Coordinator, ScriptArgumentError
+from coordinator.models import RequestShape
 from coordinator.prefix import CachedTokens
 from coordinator.prefix_entries import COUNT_FRESH_MS
 from coordinator.prefix_index import SAMPLE_EVERY, recorded_entries
@@ -488,6 +489,24 @@ async def test_reserve_passes_a_crowded_holder_of_a_hot_prefix_by_for_another_ho
     c.prefix.routes.note(["i0", "i1", "i2"], time.monotonic() * 1000)  # share: 1 each
     res = await c.reserve(4000, 1, cached_tokens=cached)
     assert res.instance_id in {"i0", "i1", "i2"}
+
+
+async def test_crowded_instances_stay_candidates_after_the_others(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Crowded instances are passed by, not left out: reserve gets them after the
+    others, so when every other candidate got busier than the node saw, its walk on
+    Redis's counts still has somewhere to go (left out, a view with one instance
+    within its share would force the request on it)."""
+    c = await make_coordinator("n-crowded-order")
+    for i in range(4):
+        await c.register_instance(spec(i))
+    await c.refresh()
+    shape = RequestShape(4000, 1, CachedTokens({}, crowded={"i0", "i2"}))
+    candidates, _, _ = c._candidates(None, frozenset(), shape)
+    assert sorted(candidates[:2]) == ["i1", "i3"] and sorted(candidates[2:]) == ["i0", "i2"]
+    candidates, _, _ = c._candidates(None, frozenset({"i1", "i3"}), shape)
+    assert sorted(candidates) == ["i0", "i2"]
 
 
 async def test_sampled_records_keep_the_index_within_its_valid_entries_and_a_few(
