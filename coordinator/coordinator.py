@@ -60,7 +60,7 @@ from coordinator.pressure import instance_load
 from coordinator.scripts import OWN_KEYS, Scripts
 from coordinator.settings import STRATEGIES, Settings
 from coordinator.snapshot import PoolCache, Snapshot
-from coordinator.strategies import Ranking, RoundRobin, Score, eligible, rank
+from coordinator.strategies import Ranking, RoundRobin, Score, crowded_last, eligible, rank
 from coordinator.tasks import raise_if_cancelling
 from coordinator.timing import (
     DEFAULT_OUTPUT_TOKENS,
@@ -822,23 +822,14 @@ class Coordinator:
     def _candidates(
         self, strategy: str | None, skip: frozenset[str], request: RequestShape
     ) -> tuple[list[str], int, Mapping[str, Score]]:
-        """The top_k candidates for reserve, how many of them lead tied, and the
-        scores of those ranked. A hot
-        prefix's request (coordinator/prefix.py CachedTokens.crowded) takes the
-        instances within their share first, as ranked, then those over it: reserve's
-        walk, on Redis's counts, falls back on one of these when every other got
-        busier than the node saw. Leaving them out would hand a node whose view shows
-        one instance within its share (one that just became the least routed at
-        every node) a single candidate, forced on it whatever its load now."""
-        k = self.settings.top_k
+        """The top_k candidates for reserve, how many lead tied, and the scores: a
+        hot prefix's crowded instances last (coordinator/strategies.py crowded_last)."""
         crowded: frozenset[str] = getattr(request.cached_tokens, "crowded", frozenset())
-        ranking = self._rank_for_reserve(strategy, skip | crowded, request)
-        first, ties = ranking.for_reserve(k)
-        if not crowded or len(first) >= k:
-            return first, ties, ranking.scores
-        others = self._rank_for_reserve(strategy, skip | frozenset(first), request)
-        rest, rest_ties = others.for_reserve(k - len(first))
-        return first + rest, ties if first else rest_ties, {**others.scores, **ranking.scores}
+        return crowded_last(
+            lambda out: self._rank_for_reserve(strategy, skip | out, request),
+            crowded,
+            self.settings.top_k,
+        )
 
     def _rank_for_reserve(
         self, strategy: str | None, skip: frozenset[str], request: RequestShape

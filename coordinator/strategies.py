@@ -130,6 +130,28 @@ class Ranking:
         return candidates, ties if ties >= 2 else 0
 
 
+def crowded_last(
+    rank_without: Callable[[frozenset[str]], Ranking], crowded: frozenset[str], k: int
+) -> tuple[list[str], int, Mapping[str, Score]]:
+    """The first k candidates for reserve (`Ranking.for_reserve`), those of `crowded`
+    after the others, each part as ranked; how many lead tied; and the scores of
+    both parts. `rank_without(ids)` ranks the candidates but those `ids`.
+
+    A hot prefix's request passes the instances over their share by (coordinator/
+    prefix.py CachedTokens.crowded), but keeps them as the last candidates: reserve's
+    walk, on Redis's counts, falls back on them when every other got busier than the
+    node saw. Leaving them out would hand a node whose view shows one instance within
+    its share (one that just became the least routed at every node) a single
+    candidate, forced on it whatever its load now."""
+    ranking = rank_without(crowded)
+    first, ties = ranking.for_reserve(k)
+    if not crowded or len(first) >= k:
+        return first, ties, ranking.scores
+    others = rank_without(frozenset(first))
+    rest, rest_ties = others.for_reserve(k - len(first))
+    return first + rest, ties if first else rest_ties, {**others.scores, **ranking.scores}
+
+
 def eligible(rows: Sequence[InstanceLoad], role: str = "mixed") -> list[InstanceLoad]:
     """Alive rows that can serve a whole request (role `mixed` by default)."""
     return [r for r in rows if r.alive and r.role == role]

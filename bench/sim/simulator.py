@@ -84,7 +84,14 @@ from coordinator.prefix import (
 )
 from coordinator.pressure import instance_load
 from coordinator.settings import Settings, Weights
-from coordinator.strategies import Ranking, RoundRobin, least_load, power_of_two, round_robin
+from coordinator.strategies import (
+    Ranking,
+    RoundRobin,
+    crowded_last,
+    least_load,
+    power_of_two,
+    round_robin,
+)
 from coordinator.timing import (
     Observations,
     TimingPolicy,
@@ -704,14 +711,12 @@ class Simulation:
         raise AssertionError("unreachable: the last try is forced")
 
     def _candidates(self, node: _Node, shape: RequestShape, now: int) -> tuple[list[str], int]:
-        """Coordinator._candidates: a hot prefix's crowded instances after the others."""
-        k = self.config.top_k
+        """Coordinator._candidates: a hot prefix's crowded instances last."""
         crowded: frozenset[str] = getattr(shape.cached_tokens, "crowded", frozenset())
-        first, ties = self._rank(node, shape, now, crowded).for_reserve(k)
-        if not crowded or len(first) >= k:
-            return first, ties
-        rest, rest_ties = self._rank(node, shape, now, frozenset(first)).for_reserve(k - len(first))
-        return first + rest, ties if first else rest_ties
+        ids, ties, _ = crowded_last(
+            lambda out: self._rank(node, shape, now, out), crowded, self.config.top_k
+        )
+        return ids, ties
 
     def _taken(self, chosen: InstanceRow, ties: int) -> int:
         """The instance a reserve took; one taken with ties moves the pool's turn."""
