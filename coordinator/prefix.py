@@ -182,6 +182,16 @@ class RecentCounts(_Window[int]):
         self._age(now_ms)
         return self._current.get(key, 0) + self._previous.get(key, 0)
 
+    def counts(self, now_ms: float) -> dict[Hashable, int]:
+        """How often each key seen within the window was seen."""
+        if self.window_ms <= 0:
+            return {}
+        self._age(now_ms)
+        out = dict(self._previous)
+        for key, n in self._current.items():
+            out[key] = out.get(key, 0) + n
+        return out
+
     def total(self, now_ms: float) -> int:
         """How many keys were seen within the window."""
         if self.window_ms <= 0:
@@ -307,49 +317,53 @@ class Room:
     The node's view of the counts may be a few hundred ms old: reserve enforces
     `most_inflight` on Redis's counts, so that nodes whose views all show the holder
     idle do not all give it the prefix's next request. `instances`: the instances
-    the loads cover (`crowded` names those of them without room). `idle`: whether some
-    instance is idle, so that a holder without room loses its credit and the request
-    passes every instance without room by; else it passes only holders without room
-    by, and only while another holder has room (`idle_fleet_room`)."""
+    the loads cover (`crowded` names those of them without room; one not among them
+    has no room). `idle`: whether some instance is idle, so that a holder without
+    room loses its credit and the request passes every instance without room by;
+    else it passes only holders without room by, and only while another holder has
+    room (`idle_fleet_room`). Each load maps an instance to its load (0 when absent)
+    and comes with its capacity (None: no bound)."""
 
-    __slots__ = ("_capacities", "idle", "instances", "most_inflight")
+    __slots__ = ("_loads", "idle", "instances", "most_inflight")
 
     def __init__(
         self,
-        capacities: Sequence[tuple[Callable[[str], float | None], int | None]],
+        loads: Sequence[tuple[Mapping[str, float], int | None]],
         most_inflight: int | None = None,
         instances: Iterable[str] = (),
         idle: bool = True,
     ) -> None:
-        self._capacities = capacities
+        self._loads = loads
         self.most_inflight = most_inflight
-        self.instances = tuple(instances)
+        self.instances = frozenset(instances)
         self.idle = idle
 
-    @staticmethod
-    def _over(load_of: Callable[[str], float | None], capacity: int | None, iid: str) -> bool:
-        load = load_of(iid)
-        return load is None or (capacity is not None and load + 1 > capacity)
-
     def __call__(self, iid: str) -> bool:
-        return not any(self._over(load_of, cap, iid) for load_of, cap in self._capacities)
+        if self.instances and iid not in self.instances:
+            return False
+        return all(cap is None or load.get(iid, 0) + 1 <= cap for load, cap in self._loads)
+
+    def _over(self, load: Mapping[str, float], capacity: int | None) -> frozenset[str]:
+        if capacity is None:
+            return frozenset()
+        return frozenset(i for i, v in load.items() if v + 1 > capacity and i in self.instances)
 
     def crowded(self) -> frozenset[str]:
         """The instances without room. When that is every one (with two loads, every
         instance can be over its share of one or the other), those over their share
         of the last load alone, unless that too is every one: so a request still
         goes to an instance within its share of the node's recent requests, the
-        longer view, when the counts in flight leave none."""
-        full = frozenset(iid for iid in self.instances if not self(iid))
-        if len(full) < len(self.instances) or len(self._capacities) < 2:
+        longer view, when the counts in flight leave none. Reads each load's entries
+        once (a pool may have thousands of instances; a node's routes name few)."""
+        over = [self._over(load, capacity) for load, capacity in self._loads]
+        full = frozenset().union(*over)
+        if len(full) < len(self.instances) or len(over) < 2:
             return full
-        load_of, capacity = self._capacities[-1]
-        last = frozenset(iid for iid in self.instances if self._over(load_of, capacity, iid))
-        return last if len(last) < len(self.instances) else full
+        return over[-1] if len(over[-1]) < len(self.instances) else full
 
 
 def hot_room(
-    loads: Sequence[tuple[Callable[[str], float | None], float]],
+    loads: Sequence[tuple[Mapping[str, float], float]],
     instances: int,
     load_pct: int,
     pool: int | None = None,
@@ -357,14 +371,13 @@ def hot_room(
     idle: bool = True,
 ) -> Room | None:
     """Whether an instance has room for one more request of a hot prefix under every
-    one of `loads` ((load of an instance, total of the pool) pairs): within
-    `hot_capacity` of each. None when the rule is off. An instance whose load is not
-    known has no room. `pool`: which of `loads` counts the pool's requests in flight
-    (Room.most_inflight comes from its capacity); `ids`: the instances they cover;
-    `idle`: Room.idle."""
+    one of `loads` ((load per instance, total of the pool) pairs): within
+    `hot_capacity` of each. None when the rule is off. `pool`: which of `loads`
+    counts the pool's requests in flight (Room.most_inflight comes from its
+    capacity); `ids`: the instances they cover (Room.instances); `idle`: Room.idle."""
     if load_pct <= 0 or instances <= 0:
         return None
-    capacities = [(load_of, hot_capacity(total, instances, load_pct)) for load_of, total in loads]
+    capacities = [(load, hot_capacity(total, instances, load_pct)) for load, total in loads]
     most = None
     if pool is not None:
         cap = capacities[pool][1]
@@ -385,11 +398,12 @@ def idle_fleet_room(
     when the rule is off."""
     if load_pct <= 0 or not inflight:
         return None
-    routed = (lambda iid: routes.count(iid, now_ms), routes.total(now_ms))
+    counts = {str(iid): float(n) for iid, n in routes.counts(now_ms).items()}
+    routed = (counts, sum(counts.values()))
     if min(inflight.values()) > 0:
         return hot_room([routed], len(inflight), load_pct, ids=inflight, idle=False)
     return hot_room(
-        [(inflight.get, sum(inflight.values())), routed],
+        [(inflight, sum(inflight.values())), routed],
         len(inflight),
         load_pct,
         pool=0,

@@ -189,11 +189,11 @@ def test_a_hot_prefix_loses_its_credit_on_an_instance_over_its_share() -> None:
     inflight = {"busy": 1.0, "spare": 0.0, "turn": 5.0}
     routed = {"busy": 3.0, "spare": 1.0, "turn": 9.0}
     # capacities: in flight floor(1.25 x 7 / 3) = 2, routed floor(1.25 x 14 / 3) = 5
-    room = hot_room([(inflight.get, 6.0), (routed.get, 13.0)], 3, 125)
+    room = hot_room([(inflight, 6.0), (routed, 13.0)], 3, 125)
     assert room is not None and room("busy") and room("spare") and not room("turn")
-    room = hot_room([(inflight.get, 1.0), (routed.get, 1.0)], 3, 125)  # capacities 1, 1
+    room = hot_room([(inflight, 1.0), (routed, 1.0)], 3, 125)  # capacities 1, 1
     assert room is not None and not room("busy") and not room("spare")
-    assert hot_room([(inflight.get, 1.0)], 3, 0) is None  # off
+    assert hot_room([(inflight, 1.0)], 3, 0) is None  # off
     spare_only = lambda i: i == "spare"  # noqa: E731
     out = guarded_cached_tokens(cached, lambda _: 0.0, 0.0, 10_000, 3000, spare_only, 8000)
     assert out == {"spare": 8000, "turn": 8000}  # turn is not hot: no share applies
@@ -271,7 +271,7 @@ def test_with_every_instance_over_one_share_the_node_routes_decide() -> None:
 
 
 def _room(idle: bool, without: set[str], ids: set[str]) -> Room:
-    return Room([(lambda i: 1.0 if i in without else 0.0, 1)], 0 if idle else None, ids, idle)
+    return Room([({i: 1.0 for i in without}, 1)], 0 if idle else None, ids, idle)
 
 
 def test_a_hot_prefix_passes_the_instances_over_their_share_by() -> None:
