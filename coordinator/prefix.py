@@ -175,13 +175,6 @@ class RecentCounts(_Window[int]):
         for key in keys:
             current[key] = current.get(key, 0) + 1
 
-    def count(self, key: Hashable, now_ms: float) -> int:
-        """How often `key` was seen within the window."""
-        if self.window_ms <= 0:
-            return 0
-        self._age(now_ms)
-        return self._current.get(key, 0) + self._previous.get(key, 0)
-
     def counts(self, now_ms: float) -> dict[Hashable, int]:
         """How often each key seen within the window was seen."""
         if self.window_ms <= 0:
@@ -191,13 +184,6 @@ class RecentCounts(_Window[int]):
         for key, n in self._current.items():
             out[key] = out.get(key, 0) + n
         return out
-
-    def total(self, now_ms: float) -> int:
-        """How many keys were seen within the window."""
-        if self.window_ms <= 0:
-            return 0
-        self._age(now_ms)
-        return sum(self._current.values()) + sum(self._previous.values())
 
 
 def _digest(text: str) -> bytes:

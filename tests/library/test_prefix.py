@@ -160,11 +160,11 @@ def test_recent_counts_count_within_two_windows() -> None:
     routes = RecentCounts(1000)
     routes.note(["i0", "i1"], 0)
     routes.note(["i0"], 500)
-    assert routes.count("i0", 999) == 2 and routes.total(999) == 3
+    assert routes.counts(999) == {"i0": 2, "i1": 1}
     routes.note(["i2"], 1000)  # a new generation
-    assert routes.count("i0", 1500) == 2 and routes.total(1500) == 4
-    assert routes.count("i0", 2000) == 0 and routes.total(2000) == 1
-    assert routes.total(4000) == 0
+    assert routes.counts(1500) == {"i0": 2, "i1": 1, "i2": 1}
+    assert routes.counts(2000) == {"i2": 1}
+    assert routes.counts(4000) == {}
 
 
 def test_the_hot_set_is_bounded() -> None:
