@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from coordinator.tokens import CHARS_PER_TOKEN, content_text
@@ -316,12 +316,12 @@ class Room:
         self,
         loads: Sequence[tuple[Mapping[str, float], int | None]],
         most_inflight: int | None = None,
-        instances: Iterable[str] = (),
+        instances: Collection[str] = (),
         idle: bool = True,
     ) -> None:
         self._loads = loads
         self.most_inflight = most_inflight
-        self.instances = frozenset(instances)
+        self.instances = instances  # not copied: a pool may have thousands
         self.idle = idle
 
     def __call__(self, iid: str) -> bool:
@@ -353,7 +353,7 @@ def hot_room(
     instances: int,
     load_pct: int,
     pool: int | None = None,
-    ids: Iterable[str] = (),
+    ids: Collection[str] = (),
     idle: bool = True,
 ) -> Room | None:
     """Whether an instance has room for one more request of a hot prefix under every
@@ -456,7 +456,7 @@ def guarded_cached_tokens(
     if isinstance(cached, CachedTokens):
         hot, popular = cached.hot, cached.popular
     out: dict[str, int] = {}
-    bounded: dict[str, int] = {}
+    bounded: dict[str, int] = {}  # most_inflight of the holders that keep credit
     most = room.most_inflight if isinstance(room, Room) else None
 
     def applies(iid: str, tokens: int) -> bool:
@@ -471,16 +471,15 @@ def guarded_cached_tokens(
         backlog = backlog_of(iid)
         if backlog is None:
             continue
-        if applies(iid, tokens):
-            assert room is not None
-            if idle and not room(iid):
-                continue
-            if most is not None:
-                bounded[iid] = most
+        bounds = applies(iid, tokens)
+        if bounds and idle and not (room is not None and room(iid)):
+            continue
         distance = hot_guard_ms if iid in hot and hot_guard_ms > 0 else guard_ms
         share = 1.0 - max(0, backlog - floor_backlog_ms) / distance
         if share > 0:
             out[iid] = int(tokens * min(1.0, share))
+            if bounds and most is not None:
+                bounded[iid] = most
     crowded: frozenset[str] = frozenset()
     if spread and isinstance(room, Room):
         if idle:
@@ -491,6 +490,6 @@ def guarded_cached_tokens(
             crowded = full if len(full) < len(holders) else frozenset()
     return CachedTokens(
         out,
-        most_inflight={iid: bounded[iid] for iid in bounded if iid in out},
+        most_inflight=bounded,
         crowded=crowded,
     )
