@@ -803,11 +803,11 @@ class Coordinator:
             return request
         room = None
         if getattr(request.cached_tokens, "hot", None):
-            routes, now_ms = self.prefix.routes, time.monotonic() * 1000
-            inflight = self._columns_view.inflight(
+            inflight, started = self._columns_view.bounded_loads(
                 self._cache, self._cache.estimated_now_ms(), self.settings.instance_ttl_ms
             )
-            room = idle_fleet_room(inflight, routes, now_ms, self.settings.prefix_hot_load_pct)
+            recent = self.prefix.starts.counts(started, time.monotonic() * 1000)
+            room = idle_fleet_room(inflight, recent, self.settings.prefix_hot_load_pct)
         cached = guarded_cached_tokens(
             request.cached_tokens,
             backlogs.get,

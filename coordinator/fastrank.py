@@ -51,6 +51,7 @@ NAN = float("nan")
 # folded per row when the row changes, so a decision only subtracts `now`.
 FLOAT_COLUMNS = (
     "inflight",
+    "started",
     "pending",
     "decode",
     "last_seen",
@@ -121,6 +122,7 @@ class ColumnarPool:
         c = self._cols
         spec = row.spec
         c["inflight"][i] = row.inflight
+        c["started"][i] = row.started
         c["pending"][i] = row.pending_prefill
         c["decode"][i] = row.active_decode
         c["last_seen"][i] = row.last_seen_ms
@@ -322,13 +324,18 @@ class ColumnarPool:
                 out[iid] = float(backlog[i])
         return floor, out
 
-    def inflight(self, cache: PoolCache, now: int, instance_ttl_ms: int) -> dict[str, float]:
-        """Requests in flight per alive mixed instance: what the bounded-loads rule for
-        hot prefixes compares (coordinator/prefix.py `idle_fleet_room`)."""
+    def bounded_loads(
+        self, cache: PoolCache, now: int, instance_ttl_ms: int
+    ) -> tuple[dict[str, float], dict[str, int]]:
+        """Requests in flight and `started` counters per alive mixed instance: what the
+        bounded-loads rule for hot prefixes compares (coordinator/prefix.py
+        `idle_fleet_room`, `RecentStarts`)."""
         self.sync(cache)
-        mask = self._alive_mixed(now, instance_ttl_ms)
-        column = self._cols["inflight"]
-        return {iid: float(column[i]) for iid, i in self.index.items() if mask[i]}
+        rows = np.flatnonzero(self._alive_mixed(now, instance_ttl_ms)).tolist()
+        ids = [self.ids[i] for i in rows]
+        inflight = self._cols["inflight"][rows].tolist()
+        started = self._cols["started"][rows].astype(np.int64).tolist()
+        return dict(zip(ids, inflight, strict=True)), dict(zip(ids, started, strict=True))
 
     def _alive_mixed(self, now: int, instance_ttl_ms: int) -> Bools:
         """The rows seen within the liveness TTL that serve both phases."""

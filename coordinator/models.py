@@ -215,6 +215,8 @@ class InstanceRow:
     hints: dict[str, Hint] = field(default_factory=dict)
     # Set when `spec` carries resolved timing (configured, learned, pool or default).
     timing: TimingSource | None = None
+    # Reservations ever placed on the instance's slot, modulo packed.STARTED_WRAP.
+    started: int = 0
 
 
 @dataclass(frozen=True, slots=True)

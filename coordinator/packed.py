@@ -6,12 +6,14 @@ short reply and finds what changed by comparing records. A field is a fixed numb
 of base-128 digits, most significant first: every byte is 0..127, plain ASCII, so a
 client that decodes replies as text gets them unchanged.
 
-- `state` (24 bytes; every reservation transition rewrites it, and it is the only
+- `state` (27 bytes; every reservation transition rewrites it, and it is the only
   place these counters are kept): pending_prefill and active_decode (3 digits,
   saturating at 2,097,151; inflight is their sum), prefill_free_at_ms and
   earliest_end_at_ms (6 digits: Redis ms up to the year 2109; 0 = no live
   reservation), pending_prefill_ms (6 digits: the prefill work of the prefill-phase
-  reservations);
+  reservations), started (3 digits: the reservations ever placed on the slot, modulo
+  STARTED_WRAP, zeroed with the slot: its growth over a few seconds is how many
+  requests the whole fleet sent the instance then, `RecentStarts`);
 - `live` (36 bytes; heartbeats rewrite it): last_seen_ms (6 digits), then per hint
   (engine_running, engine_waiting, queue_depth) its value × 1000 (4 digits,
   saturating at 268,435.455) and the Redis time it was reported (6 digits, 0 = never).
@@ -29,7 +31,8 @@ import numpy as np
 
 from coordinator.models import HINT_NAMES, Hint
 
-STATE_FIELDS = (3, 3, 6, 6, 6)  # digits per field
+STATE_FIELDS = (3, 3, 6, 6, 6, 3)  # digits per field
+STARTED_WRAP = 128**3  # `started` counts modulo this
 LIVE_FIELDS = (6, *(n for _ in HINT_NAMES for n in (4, 6)))
 STATE_BYTES = sum(STATE_FIELDS)
 LIVE_BYTES = sum(LIVE_FIELDS)
@@ -46,6 +49,7 @@ class StateRecord:
     prefill_free_at_ms: int = 0
     earliest_end_at_ms: int = 0
     pending_prefill_ms: int = 0
+    started: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +159,8 @@ def unpack_state(blob: bytes, slot: int) -> StateRecord:
     offset = slot * STATE_BYTES
     if slot < 0 or offset + STATE_BYTES > len(blob):
         return StateRecord()
-    pending, decode, free_at, earliest, pending_ms = _fields(blob, offset, STATE_FIELDS)
-    return StateRecord(pending + decode, pending, decode, free_at, earliest, pending_ms)
+    pending, decode, free_at, earliest, pending_ms, started = _fields(blob, offset, STATE_FIELDS)
+    return StateRecord(pending + decode, pending, decode, free_at, earliest, pending_ms, started)
 
 
 def unpack_live(blob: bytes, slot: int) -> LiveRecord:

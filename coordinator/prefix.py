@@ -163,26 +163,44 @@ class _Window(Generic[V]):
             self._started_ms = now_ms
 
 
-class RecentCounts(_Window[int]):
-    """How often one node saw each key lately (see `_Window`)."""
+class RecentStarts:
+    """How many requests the whole fleet sent each instance lately: the growth of the
+    instances' `started` counters (coordinator/packed.py) since a mark this node took
+    from its view `window_ms` to about twice that ago (two generations, as `_Window`;
+    a mark older than twice the window is dropped). A node's view shows its own
+    reserves at once (their replies carry the records they wrote) and the other
+    nodes' within `snapshot_max_age_ms`: so every node bounds an instance by the
+    same counts, and nodes that each find an instance least routed by themselves do
+    not all send it their next request. A `window_ms` of 0 or less counts nothing."""
 
-    def note(self, keys: Iterable[Hashable], now_ms: float) -> None:
-        """Count each of `keys` once at `now_ms`."""
-        if self.window_ms <= 0:
-            return
-        self._age(now_ms)
-        current = self._current
-        for key in keys:
-            current[key] = current.get(key, 0) + 1
+    def __init__(self, window_ms: float) -> None:
+        self.window_ms = window_ms
+        self._previous: dict[str, int] = {}
+        self._current: dict[str, int] = {}
+        self._marked_ms: float | None = None
 
-    def counts(self, now_ms: float) -> dict[Hashable, int]:
-        """How often each key seen within the window was seen."""
+    def counts(self, started: Mapping[str, int], now_ms: float) -> dict[str, float]:
+        """Requests each instance took since the older mark, from `started` (the
+        instances' counters now). An instance the mark does not know counts from 0 (a
+        slot's counter starts at 0), and so does one whose counter went down: its slot
+        was freed and taken again, or the counter wrapped (then a few of the requests
+        before the wrap go uncounted, once in packed.STARTED_WRAP)."""
         if self.window_ms <= 0:
             return {}
-        self._age(now_ms)
-        out = dict(self._previous)
-        for key, n in self._current.items():
-            out[key] = out.get(key, 0) + n
+        marked = self._marked_ms
+        if marked is None or now_ms - marked >= 2 * self.window_ms:
+            self._previous = self._current = dict(started)
+            self._marked_ms = now_ms
+        elif now_ms - marked >= self.window_ms:
+            self._previous, self._current = self._current, dict(started)
+            self._marked_ms = now_ms
+        base = self._previous
+        out = {}
+        for iid, n in started.items():
+            before = base.get(iid, 0)
+            grown = n - before if n >= before else n
+            if grown:
+                out[iid] = float(grown)
         return out
 
 
@@ -194,7 +212,7 @@ class HotPrefixes(_Window[list[Any]]):
     """The block hashes one node routed recently: what makes a prefix popular *now*.
 
     A block is hot once this node routed it for two different prompts within the
-    window (two generations, as `RecentCounts`). A block routed inside a prompt is hot
+    window (two generations, as `_Window`). A block routed inside a prompt is hot
     at once: the next prompt credited with it goes on differently. A prompt's last
     (hashed) block is hot only once a second prompt that does not continue the first
     was routed through it, or asks now: a conversation's next turn repeats the whole
@@ -338,9 +356,9 @@ class Room:
         """The instances without room. When that is every one (with two loads, every
         instance can be over its share of one or the other), those over their share
         of the last load alone, unless that too is every one: so a request still
-        goes to an instance within its share of the node's recent requests, the
+        goes to an instance within its share of the fleet's recent requests, the
         longer view, when the counts in flight leave none. Reads each load's entries
-        once (a pool may have thousands of instances; a node's routes name few)."""
+        once (a pool may have thousands of instances)."""
         over = [self._over(load, capacity) for load, capacity in self._loads]
         full = frozenset().union(*over)
         if len(full) < len(self.instances) or len(over) < 2:
@@ -372,20 +390,19 @@ def hot_room(
 
 
 def idle_fleet_room(
-    inflight: Mapping[str, float], routes: RecentCounts, now_ms: float, load_pct: int
+    inflight: Mapping[str, float], recent: Mapping[str, float], load_pct: int
 ) -> Room | None:
     """The hot-spot guard's bounded loads as the nodes apply them, on the pool's
-    requests in flight (`inflight`, per alive instance) and the requests this node
-    routed lately (`routes`), while an instance is idle (nothing in flight). With no
-    instance idle, on the routes alone and only among the prefix's holders (`Room.idle`
-    False): there the counts in flight say little (a few long requests each) and
-    denying a holder its credit would copy the prefix into another cache for nothing,
-    but of several holders the request may as well go to one within its share. None
-    when the rule is off."""
+    requests in flight (`inflight`, per alive instance) and the requests the fleet
+    sent each instance lately (`recent`: `RecentStarts`), while an instance is idle
+    (nothing in flight). With no instance idle, on the recent requests alone and only
+    among the prefix's holders (`Room.idle` False): there the counts in flight say
+    little (a few long requests each) and denying a holder its credit would copy the
+    prefix into another cache for nothing, but of several holders the request may as
+    well go to one within its share. None when the rule is off."""
     if load_pct <= 0 or not inflight:
         return None
-    counts = {str(iid): float(n) for iid, n in routes.counts(now_ms).items()}
-    routed = (counts, sum(counts.values()))
+    routed = (recent, sum(recent.values()))
     if min(inflight.values()) > 0:
         return hot_room([routed], len(inflight), load_pct, ids=inflight, idle=False)
     return hot_room(
@@ -434,14 +451,14 @@ def guarded_cached_tokens(
     instance (and has few requests in flight), and takes every conversation's first
     turn while the others idle. So a hot prefix's credit also needs `room` (see
     `hot_room()`, the bounded-loads rule): the nodes give it the requests in flight
-    in the pool and those the node routed lately. A holder over its share loses the
+    in the pool and those the fleet sent each instance lately (`RecentStarts`). A holder over its share loses the
     credit, the request goes where the load is, and that instance holds the prefix
     from then on. Once several instances hold it, losing credit changes nothing, so
     the result names the instances over their share (`CachedTokens.crowded`), which
     the request passes by, and bounds the others' requests in flight on Redis
     (`CachedTokens.most_inflight`). With no instance idle (`Room.idle` False) no
     credit is lost, and the request passes by only holders over their share of the
-    node's routes while another holder is within it. All of this only where a copy
+    fleet's recent requests while another holder is within it. All of this only where a copy
     pays: a short prefix (at most `cheap_copy` tokens, a small share of a cache:
     `cheap_copy_tokens()`) or a popular one (`CachedTokens.popular`, whose copy
     serves the requests to come). A long prefix that went under one other prompt

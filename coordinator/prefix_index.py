@@ -38,7 +38,7 @@ from coordinator.prefix import (
     CachedTokens,
     HotPrefixes,
     PromptBlocks,
-    RecentCounts,
+    RecentStarts,
     block_hashes,
     block_tokens,
     canonical_prompt,
@@ -100,10 +100,11 @@ class PrefixIndex:
         self.last_lookup: dict[str, int] = {}
         self._records = 0
         self.seen = SeenCounts()  # the counts this node read or wrote lately
-        # The prefixes this node routed moments ago: only those are hot-spot guarded,
-        # and the instances it routed to then (the bounded-loads rule's counts).
+        # The prefixes this node routed moments ago: only those are hot-spot guarded;
+        # and the requests the fleet sent each instance lately, the bounded-loads
+        # rule's counts (coordinator/prefix.py).
         self.hot = HotPrefixes(settings.prefix_hot_ms)
-        self.routes = RecentCounts(settings.prefix_hot_ms)
+        self.starts = RecentStarts(settings.prefix_hot_ms)
 
     @property
     def enabled(self) -> bool:
@@ -183,12 +184,10 @@ class PrefixIndex:
             for iid, epoch in instances
         }
 
-    def routed(self, instance_id: str, hashes: Sequence[str]) -> None:
+    def routed(self, hashes: Sequence[str]) -> None:
         """Note at once (before the next decision) that this node routed a request with
-        these blocks to `instance_id`: what makes a prefix hot, and the counts of the
-        hot-spot guard's bounded loads (coordinator/prefix.py)."""
+        these blocks: what makes a prefix hot (coordinator/prefix.py)."""
         now_ms = time.monotonic() * 1000
-        self.routes.note((instance_id,), now_ms)
         tail = hashes.after(len(hashes)) if isinstance(hashes, PromptBlocks) else None
         self.hot.note(hashes, now_ms, tail)
 

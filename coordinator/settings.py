@@ -137,8 +137,8 @@ class Settings:
     prefix_hot_ms: int = 3_000  # routed this recently under another prompt: hot; 0 = none
     # A short or popular hot prefix goes first to instances within this percentage of
     # their share of requests (bounded loads, coordinator/prefix.py idle_fleet_room:
-    # of the pool's in flight and the node's recent ones while an instance is idle,
-    # else to holders within their share of the node's recent ones); 0 = off.
+    # of the pool's in flight and the fleet's recent ones while an instance is idle,
+    # else to holders within their share of the fleet's recent ones); 0 = off.
     prefix_hot_load_pct: int = 125
     # Learned timing (coordinator/timing.py; README "Prediction sources").
     timing_flush_ms: int = 2_000  # how often a node merges its samples and reads the pool's

@@ -334,6 +334,7 @@ class PoolCache:
             earliest_end_at_ms=state.earliest_end_at_ms or None,
             hints=live.hints,
             timing=timing,
+            started=state.started,
         )
 
     def _timing_of(self, iid: str, entry: SpecEntry) -> tuple[InstanceSpec, TimingSource]:

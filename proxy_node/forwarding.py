@@ -253,7 +253,7 @@ class Exchange:
                 )
             # Spawned: the next turn of this conversation may already be on its way.
             held = self.cached_tokens.get(res.instance_id, 0)
-            prefix.routed(res.instance_id, self.prefix_hashes)
+            prefix.routed(self.prefix_hashes)
             self.state.spawn(prefix.record(res.instance_id, self.prefix_hashes, held))
             return res
         except NoInstanceError as exc:

@@ -35,7 +35,7 @@ def spec(i: int | str, **overrides: Any) -> InstanceSpec:
 def decode_counters(raw_slots: dict[Any, Any], state: Any) -> dict[str, dict[str, int]]:
     """Every registered instance's counters from its packed `state` record (the only
     place they are stored): name -> instance -> value, for the COUNTER_COLUMNS plus
-    pending_prefill_ms, prefill_free_at_ms and earliest_end_at_ms. `raw_slots` is the
+    pending_prefill_ms, prefill_free_at_ms, earliest_end_at_ms and started. `raw_slots` is the
     `slot` hash (instance -> slot) as read, `state` the `state` string."""
     blob = as_bytes(state)
     out: dict[str, dict[str, int]] = {
@@ -45,6 +45,7 @@ def decode_counters(raw_slots: dict[Any, Any], state: Any) -> dict[str, dict[str
             "pending_prefill_ms",
             "prefill_free_at_ms",
             "earliest_end_at_ms",
+            "started",
         )
     }
     for iid, slot in raw_slots.items():
@@ -56,6 +57,7 @@ def decode_counters(raw_slots: dict[Any, Any], state: Any) -> dict[str, dict[str
         out["pending_prefill_ms"][iid] = record.pending_prefill_ms
         out["prefill_free_at_ms"][iid] = record.prefill_free_at_ms
         out["earliest_end_at_ms"][iid] = record.earliest_end_at_ms
+        out["started"][iid] = record.started
     return out
 
 

@@ -52,6 +52,7 @@ class _Instance:
     active_decode: int = 0
     pending_prefill_ms: int = 0
     prefill_free_at_ms: int = 0
+    started: int = 0  # reservations ever placed (packed.py `started`, no wrap here)
     hints: dict[str, Hint] = field(default_factory=dict)
     ends: dict[str, int] = field(default_factory=dict)  # rid -> end_at_ms (by_instance)
     row: InstanceRow | None = None  # cached; dropped on every change
@@ -123,6 +124,7 @@ class SharedState:
         inst.inflight += 1
         inst.pending_prefill += 1
         inst.pending_prefill_ms += prefill_ms
+        inst.started += 1
         rec = SimReservation(
             rid,
             instance_id,
@@ -222,6 +224,7 @@ class SharedState:
                 earliest_end_at_ms=min(inst.ends.values()) if inst.ends else None,
                 hints=dict(inst.hints),
                 timing=inst.timing,
+                started=inst.started,
             )
         return inst.row
 

@@ -75,7 +75,7 @@ from coordinator.models import InstanceLoad, InstanceRow, InstanceSpec, RequestS
 from coordinator.prefix import (
     CachedTokens,
     HotPrefixes,
-    RecentCounts,
+    RecentStarts,
     block_tokens,
     cheap_copy_tokens,
     guarded_cached_tokens,
@@ -341,7 +341,7 @@ class _Node:
     observations: Observations = field(default_factory=Observations)
     flushed_ms: float = 0.0
     hot: HotPrefixes = field(default_factory=lambda: HotPrefixes(0))  # prefixes it routed
-    routes: RecentCounts = field(default_factory=lambda: RecentCounts(0))  # where, lately
+    starts: RecentStarts = field(default_factory=lambda: RecentStarts(0))  # fleet's, lately
     view: NodeView | None = None  # its view of the shared state (RESERVED strategies)
 
 
@@ -406,7 +406,7 @@ class Simulation:
                 random.Random(f"{c.seed}:{strategy}:{n}"),
                 local=[0] * c.instances,
                 hot=HotPrefixes(c.prefix_hot_ms),
-                routes=RecentCounts(c.prefix_hot_ms),
+                starts=RecentStarts(c.prefix_hot_ms),
                 view=(
                     NodeView(self.state, c.snapshot_max_age_ms, c.live_refresh_ms)
                     if strategy in RESERVED
@@ -566,7 +566,6 @@ class Simulation:
         self.active_tokens[k] += req.prompt_tokens + expected
         if prefix_aware:
             blocks = req.blocks[: self.config.prefix_max_blocks]
-            node.routes.note((self.ids[k],), now)  # as PrefixIndex.routed
             node.hot.note(blocks, now)
             self.prefix_index.record(self.ids[k], blocks, held.get(self.ids[k], 0))
         if self.strategy in SHARED:
@@ -739,7 +738,9 @@ class Simulation:
             room = None
             if getattr(cached, "hot", None):  # as Coordinator._guard_hot_spots
                 inflight = {r.id: float(r.inflight or 0) for r in rows}
-                room = idle_fleet_room(inflight, node.routes, now, c.prefix_hot_load_pct)
+                started = {iid: row.started for iid, row in node.view.rows.items()}
+                recent = node.starts.counts(started, now)
+                room = idle_fleet_room(inflight, recent, c.prefix_hot_load_pct)
             cached = guarded_cached_tokens(
                 cached,
                 backlogs.get,

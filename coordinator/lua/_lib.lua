@@ -17,9 +17,11 @@ local HINTS = {'engine_running', 'engine_waiting', 'queue_depth'}
 --   active_decode (3 digits each, saturating; inflight is their sum),
 --   prefill_free_at_ms, earliest_end_at_ms (6 digits: ms to the year 2109; 0 = no live
 --   reservation), pending_prefill_ms (6 digits: the prefill work of its prefill-phase
---   reservations)
+--   reservations), started (3 digits: the reservations reserve.lua ever placed on the
+--   slot, modulo STARTED_WRAP; zeroed with the slot)
 -- live: last_seen_ms (6), then per hint: value*1000 (4, saturating), at_ms (6; 0 = none)
-local STATE_BYTES, LIVE_BYTES = 24, 36
+local STATE_BYTES, LIVE_BYTES = 27, 36
+local STARTED_WRAP = 2097152  -- 128^3: `started` counts modulo this
 local SPEC_LOG_MAX = 10000  -- spec changes kept for incremental readers; older: full read
 local SWEEP_BUDGET = 250  -- reservations one call may void; the rest is swept later
 
@@ -178,16 +180,18 @@ local function be6(v)
   return string.char((v - b) / 128, b, c, d, e, f)
 end
 
--- The five fields (pending, decode, free_at, earliest, pending_ms) of the packed state
--- record at byte `at` (0-based) of `raw`, from one string.byte call into locals: no
--- table, no loop, no substring (every transition reads one, a reserve's walk several).
+-- The six fields (pending, decode, free_at, earliest, pending_ms, started) of the
+-- packed state record at byte `at` (0-based) of `raw`, from one string.byte call into
+-- locals: no table, no loop, no substring (every transition reads one, a reserve's
+-- walk several).
 local function decode_state(raw, at)
   local a1, a2, a3, b1, b2, b3, c1, c2, c3, c4, c5, c6, d1, d2, d3, d4, d5, d6,
-    e1, e2, e3, e4, e5, e6 = string.byte(raw, at + 1, at + STATE_BYTES)
+    e1, e2, e3, e4, e5, e6, f1, f2, f3 = string.byte(raw, at + 1, at + STATE_BYTES)
   return (a1 * 128 + a2) * 128 + a3, (b1 * 128 + b2) * 128 + b3,
     ((((c1 * 128 + c2) * 128 + c3) * 128 + c4) * 128 + c5) * 128 + c6,
     ((((d1 * 128 + d2) * 128 + d3) * 128 + d4) * 128 + d5) * 128 + d6,
-    ((((e1 * 128 + e2) * 128 + e3) * 128 + e4) * 128 + e5) * 128 + e6
+    ((((e1 * 128 + e2) * 128 + e3) * 128 + e4) * 128 + e5) * 128 + e6,
+    (f1 * 128 + f2) * 128 + f3
 end
 
 -- The instances' decoded state records this call read, by id: one table per instance,
@@ -215,7 +219,7 @@ local function prefetch_states(slots, max_bytes)
     raw = redis.call('GETRANGE', K_STATE, lo * STATE_BYTES, (hi + 1) * STATE_BYTES - 1)}
 end
 
--- The five fields of slot `slot`'s state record (decode_state), as Redis has them now
+-- The six fields of slot `slot`'s state record (decode_state), as Redis has them now
 -- (zeros past the end of `state`): from the prefetched span, or one GETRANGE.
 local function state_fields(slot)
   local span = state_span
@@ -224,16 +228,17 @@ local function state_fields(slot)
   end
   local at = slot * STATE_BYTES
   local raw = redis.call('GETRANGE', K_STATE, at, at + STATE_BYTES - 1)
-  if #raw < STATE_BYTES then return 0, 0, 0, 0, 0 end
+  if #raw < STATE_BYTES then return 0, 0, 0, 0, 0, 0 end
   return decode_state(raw, 0)
 end
 
 -- Keep instance `id`'s state, read as these fields, as this call's copy of it:
--- {slot, pending, decode, free_at, earliest, pending_ms, base}, `base` the inflight
--- last written. Change the fields, then write_state.
-local function adopt_state(id, slot, pending, decode, free_at, earliest, pending_ms)
+-- {slot, pending, decode, free_at, earliest, pending_ms, started, base}, `base` the
+-- inflight last written. Change the fields, then write_state.
+local function adopt_state(id, slot, pending, decode, free_at, earliest, pending_ms, started)
   local st = {slot = slot, pending = pending, decode = decode, free_at = free_at,
-    earliest = earliest, pending_ms = pending_ms, base = pending + decode}
+    earliest = earliest, pending_ms = pending_ms, started = started,
+    base = pending + decode}
   slot_states[id] = st
   return st
 end
@@ -299,7 +304,7 @@ end
 -- Rewrite the packed record of slot_state `st`. Returns {state_ver, slot, record}.
 local function write_state(st)
   local record = be3(st.pending) .. be3(st.decode) .. be6(st.free_at) .. be6(st.earliest)
-    .. be6(st.pending_ms)
+    .. be6(st.pending_ms) .. be3(st.started % STARTED_WRAP)
   redis.call('SETRANGE', K_STATE, st.slot * STATE_BYTES, record)
   state_span = nil
   local p = pool_counts()
@@ -396,7 +401,7 @@ local function free_slot(id)
   local st = slot_state(id)
   if not st then return end
   redis.call('HDEL', K_SLOT, id)
-  st.pending, st.decode, st.free_at, st.earliest, st.pending_ms = 0, 0, 0, 0, 0
+  st.pending, st.decode, st.free_at, st.earliest, st.pending_ms, st.started = 0, 0, 0, 0, 0, 0
   write_state(st)
   slot_states[id] = nil
   redis.call('SETRANGE', K_LIVE, st.slot * LIVE_BYTES, string.rep('\0', LIVE_BYTES))

@@ -220,9 +220,10 @@ end
 -- A candidate the walk keeps (the least busy so far, or the soonest start): its
 -- index, slot, predictions, live reservations and state fields (adopt_state's order).
 local function kept_candidate(i, slot, prefill_ms, decode_ms, pending, decode, free_at,
-    earliest, pending_ms)
+    earliest, pending_ms, started)
   return {i = i, slot = slot, prefill_ms = prefill_ms, decode_ms = decode_ms,
-    inflight = pending + decode, state = {pending, decode, free_at, earliest, pending_ms}}
+    inflight = pending + decode,
+    state = {pending, decode, free_at, earliest, pending_ms, started}}
 end
 
 local m, err = 0, nil
@@ -263,7 +264,7 @@ if leased or lease_ms > 0 then
     if prefill_ms == nil then return fail('bad_arg', 'candidate ' .. i) end
     local slot, max_slots = located(i, sent)
     if slot then
-      local pending, decode, free_at, earliest, pending_ms = state_fields(slot)
+      local pending, decode, free_at, earliest, pending_ms, started = state_fields(slot)
       local inflight = pending + decode
       max_slots = enforce and tonumber(max_slots or '0') or 0
       local full = max_slots > 0 and inflight >= max_slots
@@ -283,14 +284,14 @@ if leased or lease_ms > 0 then
           local kept = nil
           if lesser then
             kept = kept_candidate(i, slot, prefill_ms, decode_ms, pending, decode, free_at,
-              earliest, pending_ms)
+              earliest, pending_ms, started)
             least = kept
           end
           if fits then
             local ttft = math.max(now, free_at) + prefill_ms
             if timed == nil or ttft < timed_ttft then
               timed = kept or kept_candidate(i, slot, prefill_ms, decode_ms, pending, decode,
-                free_at, earliest, pending_ms)
+                free_at, earliest, pending_ms, started)
               timed_ttft = ttft
             end
             if max_free_at == 0 or free_at <= math.max(now, max_free_at) then break end
@@ -365,6 +366,7 @@ if not leased then redis.call('ZADD', K_NODES, now + lease_ms, node) end
 redis.call('ZADD', K_BY_INSTANCE, '0', lex_member(id, epoch, end_at, rid))
 redis.call('SADD', KEYS[17], rid)
 st.pending, st.pending_ms, st.free_at = st.pending + 1, st.pending_ms + chosen.prefill_ms, first_token_at
+st.started = st.started + 1
 earliest_joined(st, end_at)
 if ties >= 2 then
   local p = pool_counts()

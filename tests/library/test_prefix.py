@@ -12,7 +12,7 @@ from coordinator.prefix import (
     CachedTokens,
     HotPrefixes,
     PromptBlocks,
-    RecentCounts,
+    RecentStarts,
     Room,
     block_hashes,
     canonical_prompt,
@@ -156,15 +156,17 @@ def test_a_last_block_is_hot_for_another_prompt_not_for_the_next_turn() -> None:
     assert not untold.is_hot("x", 3)
 
 
-def test_recent_counts_count_within_two_windows() -> None:
-    routes = RecentCounts(1000)
-    routes.note(["i0", "i1"], 0)
-    routes.note(["i0"], 500)
-    assert routes.counts(999) == {"i0": 2, "i1": 1}
-    routes.note(["i2"], 1000)  # a new generation
-    assert routes.counts(1500) == {"i0": 2, "i1": 1, "i2": 1}
-    assert routes.counts(2000) == {"i2": 1}
-    assert routes.counts(4000) == {}
+def test_recent_starts_count_what_the_fleet_started_since_the_older_mark() -> None:
+    starts = RecentStarts(1000)
+    assert starts.counts({"i0": 5, "i1": 9}, 0) == {}  # the first mark: nothing yet
+    assert starts.counts({"i0": 7, "i1": 9}, 500) == {"i0": 2.0}
+    # a new generation: still counted from the mark at 0
+    assert starts.counts({"i0": 8, "i1": 10, "i2": 1}, 1000) == {"i0": 3.0, "i1": 1.0, "i2": 1.0}
+    # from the mark at 1000 on; a counter that went down (a slot taken again, or a
+    # wrap at STARTED_WRAP) counts from 0
+    assert starts.counts({"i0": 8, "i1": 1, "i2": 1}, 2000) == {"i1": 1.0}
+    assert starts.counts({"i0": 9, "i1": 1, "i2": 1}, 5000) == {}  # marks too old: anew
+    assert RecentStarts(0).counts({"i0": 9}, 0) == {}  # off
 
 
 def test_the_hot_set_is_bounded() -> None:
@@ -234,40 +236,38 @@ def test_hot_instances_tell_a_next_turn_from_another_prompt_by_the_text() -> Non
 
 
 def test_bounded_loads_count_the_pool_in_flight_only_while_an_instance_is_idle() -> None:
-    routes = RecentCounts(10_000)
-    routes.note(["i0", "i0", "i0", "i1"], 0)
+    routes = {"i0": 3.0, "i1": 1.0}  # requests the fleet sent each lately
     busy = {"i0": 1.0, "i1": 1.0, "i2": 2.0}
-    room = idle_fleet_room(busy, routes, 1, 125)
+    room = idle_fleet_room(busy, routes, 125)
     # none idle: the routes alone, floor(1.25 x 5 / 3) = 2, and no bound in flight
     assert room is not None and not room.idle and room.most_inflight is None
     assert not room("i0") and room("i1") and room("i2")
     idle = {"i0": 1.0, "i1": 0.0, "i2": 0.0}
-    room = idle_fleet_room(idle, routes, 1, 125)
+    room = idle_fleet_room(idle, routes, 125)
     # in flight: capacity floor(1.25 x 2 / 3) -> 1; routed: floor(1.25 x 5 / 3) = 2
     assert room is not None and room.idle and room.most_inflight == 0
     assert not room("i0") and room("i1") and room("i2")
     assert room.crowded() == {"i0"}
     idle["i1"] = 1.0  # i1 now has its share in flight
-    assert idle_fleet_room(idle, routes, 1, 125).crowded() == {"i0", "i1"}  # type: ignore[union-attr]
-    assert idle_fleet_room(idle, routes, 1, 0) is None  # off
+    assert idle_fleet_room(idle, routes, 125).crowded() == {"i0", "i1"}  # type: ignore[union-attr]
+    assert idle_fleet_room(idle, routes, 0) is None  # off
 
 
-def test_with_every_instance_over_one_share_the_node_routes_decide() -> None:
+def test_with_every_instance_over_one_share_the_recent_starts_decide() -> None:
     """Two loads can leave no instance within both shares: the only idle instance is
-    the one this node routed most. Then the routes alone say who is crowded, so the
-    request still goes to an instance within its share of them, not to the idle one."""
-    routes = RecentCounts(10_000)
-    routes.note(["i0", "i0", "i0", "i1", "i1", "i1"], 0)
+    the one the fleet sent most lately. Then those counts alone say who is crowded,
+    so the request still goes to an instance within its share of them, not to the
+    idle one."""
+    routes = {"i0": 3.0, "i1": 3.0}
     inflight = {"i0": 0.0, "i1": 1.0, "i2": 1.0, "i3": 1.0}
-    room = idle_fleet_room(inflight, routes, 1, 125)
+    room = idle_fleet_room(inflight, routes, 125)
     # in flight: floor(1.25 x 4 / 4) = 1 (only i0 has room); routed: floor(1.25 x 7 / 4) = 2
     assert room is not None and not any(room(i) for i in inflight)
     assert room.crowded() == {"i0", "i1"}
     # One route each: floor(1.25 x 5 / 4) = 1, every one over on the routes too: the
     # rule cannot choose, and names every instance (the caller then ranks them all).
-    even = RecentCounts(10_000)
-    even.note(["i0", "i1", "i2", "i3"], 0)
-    assert idle_fleet_room(inflight, even, 1, 125).crowded() == set(inflight)  # type: ignore[union-attr]
+    even = dict.fromkeys(inflight, 1.0)
+    assert idle_fleet_room(inflight, even, 125).crowded() == set(inflight)  # type: ignore[union-attr]
 
 
 def _room(idle: bool, without: set[str], ids: set[str]) -> Room:

@@ -3,8 +3,6 @@ the real server and fakeredis (they must agree): lookup, bounds, epochs, privacy
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from coordinator import Coordinator, ScriptArgumentError
@@ -199,13 +197,13 @@ async def test_a_prefix_this_node_just_routed_is_hot_on_this_node_only(
     found = await c.prefix.cached_tokens(hashes(c, "a", "b", "c"))
     assert isinstance(found, CachedTokens) and found == {"i0": 2 * TOKENS}
     assert found.hot == frozenset()
-    other.prefix.routed("i0", hashes(c, "a", "b", "y"))  # hot on the other node only
-    c.prefix.routed("i1", hashes(c, "a"))  # this node: a prompt of the first block
+    other.prefix.routed(hashes(c, "a", "b", "y"))  # hot on the other node only
+    c.prefix.routed(hashes(c, "a"))  # this node: a prompt of the first block
     await c.prefix.record("i1", hashes(c, "a"))
     found = await c.prefix.cached_tokens(hashes(c, "a", "b", "c"))
     # a prompt that goes on from it, as a conversation's next turn does: not hot
     assert found == {"i0": 2 * TOKENS, "i1": TOKENS} and found.hot == frozenset()
-    c.prefix.routed("i2", hashes(c, "a", "x"))  # another prompt through "a"
+    c.prefix.routed(hashes(c, "a", "x"))  # another prompt through "a"
     found = await c.prefix.cached_tokens(hashes(c, "a", "b", "c"))
     # i1's deepest credited block ("a") is hot here; i0's ("a", "b") is not.
     assert found == {"i0": 2 * TOKENS, "i1": TOKENS} and found.hot == {"i1"}
@@ -461,32 +459,54 @@ async def test_reserve_spreads_a_short_hot_prefix_while_an_instance_is_idle(
             await c.release(r.rid)
 
 
-async def test_reserve_passes_a_crowded_holder_of_a_hot_prefix_by_for_another_holder(
+async def mark_recent_starts(c: Coordinator) -> None:
+    """A hot-prefix decision on i2, so that `c` marks the instances' `started` counters
+    (coordinator/prefix.py RecentStarts): what the fleet starts from here on counts."""
+    res = await c.reserve(
+        100, 1, exclude=["i0", "i1"], cached_tokens=CachedTokens({"i2": 1}, hot={"i2"})
+    )
+    assert res.instance_id == "i2"
+    await c.release(res.rid)
+
+
+async def test_reserve_passes_a_holder_the_fleet_crowded_by_for_another_holder(
     make_coordinator: MakeCoordinator,
 ) -> None:
-    """Nobody idle, i0 and i1 hold a hot system prompt equally, and this node routed
+    """Nobody idle, i0 and i1 hold a hot system prompt equally, and *another node* sent
     i0 over its share lately: the request goes to i1, though i1 is busier now (credit
-    dropping alone would change nothing: both hold it). With the rule off, to i0."""
+    dropping alone would change nothing: both hold it). The counts are the fleet's
+    (the instances' `started` counters), not this node's: nodes that each bound an
+    instance by their own routes all send it their next request. With the rule off,
+    to i0."""
     for pct, goes_to in ((125, "i1"), (0, "i0")):
         c = await make_coordinator(f"n-crowded-{pct}", prefix_hot_load_pct=pct)
+        other = await make_coordinator(f"n-other-{pct}")
         for i in range(3):
             await c.register_instance(spec(i))
         await c.refresh()
+        await mark_recent_starts(c)  # i2: one start
+        for _ in range(3):  # the other node's requests, done by now
+            await other.release((await other.reserve(100, 1, exclude=["i1", "i2"])).rid)
         held = [await c.reserve(100, 1, exclude=[f"i{j}" for j in range(3) if j != k])
                 for k in (0, 1, 1, 2)]  # fmt: skip
-        c.prefix.routes.note(["i0", "i0", "i0"], time.monotonic() * 1000)
+        # started since the mark: i0 4, i1 2, i2 2; share floor(1.25 x 9 / 3) = 3
+        await c.refresh()
         cached = CachedTokens({"i0": 2000, "i1": 2000}, hot={"i0", "i1"})
         res = await c.reserve(4000, 1, cached_tokens=cached)
         assert res.instance_id == goes_to, pct
         for r in (res, *held):
             await c.release(r.rid)
-    # Every instance over its share (all idle, each routed here lately): the request is
-    # placed all the same, as if no rule applied.
+    # Every instance over its share (all idle, each started one lately): the request
+    # is placed all the same, as if no rule applied.
     c = await make_coordinator("n-crowded-all")
     for i in range(3):
         await c.register_instance(spec(i))
     await c.refresh()
-    c.prefix.routes.note(["i0", "i1", "i2"], time.monotonic() * 1000)  # share: 1 each
+    await mark_recent_starts(c)
+    for k in (0, 1):
+        await c.release(
+            (await c.reserve(100, 1, exclude=[f"i{j}" for j in (0, 1, 2) if j != k])).rid
+        )
     res = await c.reserve(4000, 1, cached_tokens=cached)
     assert res.instance_id in {"i0", "i1", "i2"}
 

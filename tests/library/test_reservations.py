@@ -17,10 +17,23 @@ from coordinator import (
     ScriptArgumentError,
     UnknownInstanceError,
 )
-from coordinator.packed import CANDIDATE_FIELDS, NO_SLOT, _digits, pack_candidate
+from coordinator.packed import (
+    CANDIDATE_FIELDS,
+    NO_SLOT,
+    STARTED_WRAP,
+    STATE_BYTES,
+    _digits,
+    pack_candidate,
+)
 from coordinator.settings import Weights
 from tests.conftest import MakeCoordinator
-from tests.helpers import assert_counters_match_reservations, counters, live_reservations, spec
+from tests.helpers import (
+    assert_counters_match_reservations,
+    counters,
+    live_reservations,
+    packed_counters,
+    spec,
+)
 
 
 async def test_lifecycle_moves_counters_exactly(make_coordinator: MakeCoordinator) -> None:
@@ -578,3 +591,34 @@ async def test_a_walk_past_the_first_candidate_reads_the_others_records_at_once(
     for res in theirs:
         await b.release(res.rid)
     await assert_counters_match_reservations(a)
+
+
+async def test_started_counts_the_reservations_placed_on_a_slot(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """`started` (coordinator/packed.py) grows by one per reservation placed, whatever
+    happens to it after; a reserve sent again under its rid places nothing; a freed
+    slot starts again at 0; the count wraps at STARTED_WRAP. Nodes read it in their
+    view (the hot-spot guard's fleet-wide counts)."""
+    c = await make_coordinator("n1")
+    for i in range(2):
+        await c.register_instance(spec(i))
+    placed = [await c.reserve(100, 1, exclude=["i1"]) for _ in range(3)]
+    await c.mark_first_token(placed[0].rid)
+    await c.release(placed[1].rid)
+    again = await c.reserve(100, 1, rid=placed[2].rid, exclude=["i1"])
+    assert again.instance_id == "i0"
+    await c.reserve(100, 1, exclude=["i0"])
+    await c.flush_carried()
+    assert (await packed_counters(c))["started"] == {"i0": 3, "i1": 1}
+    await c.refresh()
+    assert {iid: row.started for iid, row in c._cache.rows.items()} == {"i0": 3, "i1": 1}
+    await c.unregister_instance("i0")
+    await c.register_instance(spec(2))  # takes i0's freed slot
+    assert (await packed_counters(c))["started"] == {"i1": 1, "i2": 0}
+    slot = int(await c.redis.hget(c.keys.column("slot"), "i1"))
+    end = (slot + 1) * STATE_BYTES
+    await c.redis.setrange(c.keys.column("state"), end - 3, bytes((127, 127, 127)))
+    assert (await packed_counters(c))["started"]["i1"] == STARTED_WRAP - 1
+    await c.reserve(100, 1, exclude=["i2"])
+    assert (await packed_counters(c))["started"]["i1"] == 0
