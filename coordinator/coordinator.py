@@ -237,6 +237,7 @@ class Coordinator:
             self._epoch_of,
             self._prefix_capacity,
             lambda: self._degraded,
+            lambda: self._cache.estimated_now_ms(),
         )
 
     # ------------------------------------------------------------------ lifecycle

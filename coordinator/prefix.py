@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
+from coordinator.prefix_entries import HeldBlocks
 from coordinator.tokens import CHARS_PER_TOKEN, content_text
 
 V = TypeVar("V")
@@ -285,17 +286,32 @@ def cheap_copy_tokens(cache_tokens: int) -> int:
 
 
 def hot_instances(
-    held: Mapping[str, int], blocks: Sequence[Hashable], hot: HotPrefixes, now_ms: float
+    held: Mapping[str, int],
+    blocks: Sequence[Hashable],
+    hot: HotPrefixes,
+    now_ms: float,
+    redis_now_ms: float = 0.0,
 ) -> tuple[set[str], set[str]]:
     """Instances whose deepest credited block (of `held` blocks each) is hot, and those
     of them where it is popular (`POPULAR_COUNT`), for the prompt of `blocks` (with
-    its text when they are `PromptBlocks`)."""
+    its text when they are `PromptBlocks`). A block is hot where this node routed it
+    lately under another prompt (`HotPrefixes`), and where the index shows that some
+    node's prompt went on past it within the same window (`HeldBlocks.continued`, to
+    the second of `redis_now_ms`, the Redis clock): this prompt then shares only a
+    prefix with one routed moments ago, so each node's first request through a shared
+    system prompt is guarded too, not only its later ones. A window of 0 makes none
+    hot."""
     text = blocks if isinstance(blocks, PromptBlocks) else None
     heat = {
         iid: hot.popularity(blocks[depth - 1], now_ms, text.after(depth) if text else None)
         for iid, depth in held.items()
         if depth > 0
     }
+    continued = held.continued if isinstance(held, HeldBlocks) and hot.window_ms > 0 else {}
+    since = (redis_now_ms - hot.window_ms) / 1000 - 1  # a second's rounding
+    for iid, at in continued.items():
+        if at >= since and iid in heat:
+            heat[iid] = max(heat[iid], 2)
     return (
         {iid for iid, n in heat.items() if n >= 2},
         {iid for iid, n in heat.items() if n >= POPULAR_COUNT},

@@ -3,8 +3,12 @@ coordinator/prefix_index.py, which reads and writes it with plain commands).
 
 One hash per pool, `{pool}:prefix_index`, holding no text of any prompt:
 
-- block hash -> "<id>#<epoch>|<position> ...": the instances that recorded the block,
-  newest last, at most `prefix_max_owners`;
+- block hash -> "<id>#<epoch>|<position>[+<second>] ...": the instances that recorded
+  the block, newest last, at most `prefix_max_owners`; "+<second>" marks a block the
+  prompt went on past (every entry of a record but its deepest, the prompt's last
+  block) and the Redis time it was recorded, in seconds: a lookup credited there
+  soon after is another prompt through a shared prefix, not the next turn of that
+  one (`HeldBlocks.continued`);
 - "<id>#<epoch>" -> the instance's count at that epoch: the blocks recorded against
   it, which gives each entry its position;
 - "<id>#" -> the latest epoch indexed for the id, which an automatic epoch continues
@@ -34,7 +38,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 ABOUT = (
-    'prefix index: block hash -> "<id>#<epoch>|<position>" owners, newest last; '
+    'prefix index: block hash -> "<id>#<epoch>|<position>[+<second>]" owners, newest '
+    "last ('+': the prompt went on past the block, at that Redis second); "
     '"<id>#<epoch>" -> blocks recorded; "<id>#" -> latest epoch indexed '
     "(coordinator/prefix_entries.py); no prompt text"
 )
@@ -58,15 +63,24 @@ def is_block(field: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """One owner of a block: the instance, its epoch, the position of the record."""
+    """One owner of a block: the instance, its epoch, the position of the record, and
+    when the recorded prompt went on past the block (Redis seconds; None: it ended
+    there)."""
 
     owner: str
     epoch: int
     position: int
+    continued: int | None = None
 
     @property
     def stem(self) -> str:
         return stem(self.owner, self.epoch)
+
+    @property
+    def text(self) -> str:
+        """The entry as stored."""
+        inside = "" if self.continued is None else f"+{self.continued}"
+        return f"{self.stem}|{self.position}{inside}"
 
 
 def parse_entries(raw: str | None) -> list[Entry]:
@@ -75,8 +89,11 @@ def parse_entries(raw: str | None) -> list[Entry]:
     for text in (raw or "").split():
         head, _, position = text.rpartition("|")
         owner, _, epoch = head.rpartition("#")
+        position, plus, second = position.partition("+")
+        if plus and not second.isdigit():
+            continue
         if owner and epoch.isdigit() and position.isdigit():
-            out.append(Entry(owner, int(epoch), int(position)))
+            out.append(Entry(owner, int(epoch), int(position), int(second) if plus else None))
     return out
 
 
@@ -101,12 +118,29 @@ def current_stems(
     return list(out)
 
 
+class HeldBlocks(dict[str, int]):
+    """Blocks of a prompt each instance holds (a plain dict to everything that reads
+    it), and `continued`: the instances whose deepest credited entry is one a
+    recorded prompt went on past, with the Redis second it was recorded. A
+    conversation's next turn is credited at its previous prompt's last block; a
+    credit inside another prompt means this prompt shares only a prefix with it (a
+    system prompt, a document), whichever node routed that one."""
+
+    __slots__ = ("continued",)
+
+    def __init__(
+        self, held: Mapping[str, int] | None = None, continued: Mapping[str, int] | None = None
+    ):
+        super().__init__(held or {})
+        self.continued: Mapping[str, int] = continued or {}
+
+
 def cached_blocks(
     entries: Sequence[Sequence[Entry]],
     counts: Mapping[str, int | None],
     epoch_of: Callable[[str], int | None],
     capacity_of: Callable[[str], int],
-) -> dict[str, int]:
+) -> HeldBlocks:
     """Blocks of the prompt each instance holds, from the entries of its blocks in
     prompt order (`parse_entries` of each value) and the counts of their owners
     (`current_stems`).
@@ -118,13 +152,16 @@ def cached_blocks(
     a request held, see `PrefixIndex.record`).
     """
     held: dict[str, int] = {}
+    continued: dict[str, int] = {}
     for position in range(len(entries) - 1, -1, -1):
         for e in entries[position]:
             if e.owner in held or epoch_of(e.owner) != e.epoch:
                 continue
             if valid(e.position, counts.get(e.stem), capacity_of(e.owner)):
                 held[e.owner] = position + 1
-    return held
+                if e.continued is not None:
+                    continued[e.owner] = e.continued
+    return HeldBlocks(held, continued)
 
 
 def reclaimed(
@@ -146,7 +183,7 @@ def reclaimed(
                 dels.append(field)  # a count of another epoch than the registered one
             continue
         kept = [
-            f"{e.stem}|{e.position}"
+            e.text
             for e in parse_entries(value)
             if epochs.get(e.owner) == e.epoch
             and valid(e.position, counts.get(e.stem), capacity_of(e.owner))

@@ -83,6 +83,7 @@ class PrefixIndex:
         epoch_of: Callable[[str], int | None],
         capacity_tokens: Callable[[str], int | None],
         degraded: Callable[[], bool],
+        redis_now_ms: Callable[[], float],
     ) -> None:
         self._redis = redis
         self._settings = settings
@@ -90,6 +91,7 @@ class PrefixIndex:
         self._epoch_of = epoch_of
         self._capacity_tokens = capacity_tokens
         self._degraded = degraded
+        self._redis_now_ms = redis_now_ms  # the node's estimate of the Redis clock
         self._key = salt_key(keys.pool, settings.prefix_salt)
         self._index = keys.prefix_index()
         self._epochs = keys.column("epoch")
@@ -146,7 +148,9 @@ class PrefixIndex:
         held = cached_blocks(entries, counts, self._epoch_of, self.capacity_blocks)
         tokens = {iid: blocks * self.block_tokens for iid, blocks in held.items()}
         self.last_lookup = tokens
-        hot, popular = hot_instances(held, hashes, self.hot, time.monotonic() * 1000)
+        hot, popular = hot_instances(
+            held, hashes, self.hot, time.monotonic() * 1000, self._redis_now_ms()
+        )
         return CachedTokens(tokens, hot, popular)
 
     async def _known_counts(self, stems: Sequence[str]) -> dict[str, int | None]:

@@ -6,7 +6,8 @@ prompt's blocks queued tail first), each block remembering its `max_owners` most
 recent instances; a node refreshes the deepest block the instance held and adds an
 entry every `stride` blocks after it and at the last one, each weighing the blocks
 since the previous entry (the capacity counts weights), and a lookup credits each
-instance with the deepest block it holds.
+instance with the deepest block it holds (noting where that entry is one a recorded
+prompt went on past, as lua/record_prefix.lua marks it with '+').
 tests/benchmarks/test_sim_prefix.py checks it against the real index on a server.
 
 Baselines (each one node's choice from the same shared information):
@@ -31,6 +32,7 @@ import zlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from coordinator.prefix_entries import HeldBlocks
 from coordinator.prefix_index import recorded_entries
 
 
@@ -42,7 +44,9 @@ class SharedPrefixIndex:
         self.max_owners = max_owners
         self.stride = stride
         self._count: dict[str, int] = {}  # blocks each instance's engine processed
-        self._owners: dict[Hashable, list[tuple[str, int]]] = {}  # most recent last
+        # block -> (instance, position, second a prompt went on past it or None)
+        # entries, most recent last
+        self._owners: dict[Hashable, list[tuple[str, int, int | None]]] = {}
 
     def size(self, instance: str) -> int:
         """Blocks the index holds for an instance (at most its capacity)."""
@@ -51,7 +55,9 @@ class SharedPrefixIndex:
     def _valid(self, instance: str, position: int) -> bool:
         return self._count[instance] - position < self.capacity_blocks
 
-    def record(self, instance: str, blocks: Sequence[Hashable], held: int = 0) -> None:
+    def record(
+        self, instance: str, blocks: Sequence[Hashable], held: int = 0, now_ms: float = 0.0
+    ) -> None:
         """The chosen instance processed these blocks; `held` leading blocks of them it
         held already (only the deepest of those gets an entry again), and of the others
         only every `stride`-th and the last get an entry. Each entry advances the
@@ -63,21 +69,24 @@ class SharedPrefixIndex:
             count += weight
             owners = [o for o in self._owners.get(blocks[position - 1], ()) if o[0] != instance]
             del owners[: max(0, len(owners) - self.max_owners + 1)]  # room for this entry
-            owners.append((instance, count))
+            inside = int(now_ms // 1000) if position < len(blocks) else None
+            owners.append((instance, count, inside))
             self._owners[blocks[position - 1]] = owners
         self._count[instance] = count
 
-    def cached_blocks(
-        self, blocks: Sequence[Hashable], max_blocks: int = 1 << 30
-    ) -> dict[str, int]:
-        """Blocks each instance holds: its deepest valid entry (instances with none absent)."""
+    def cached_blocks(self, blocks: Sequence[Hashable], max_blocks: int = 1 << 30) -> HeldBlocks:
+        """Blocks each instance holds: its deepest valid entry (instances with none
+        absent), and those credited inside a recorded prompt (`HeldBlocks.continued`)."""
         held: dict[str, int] = {}
+        continued: dict[str, int] = {}
         looked = blocks[:max_blocks]
         for position in range(len(looked) - 1, -1, -1):
-            for owner, at in self._owners.get(looked[position], ()):
+            for owner, at, inside in self._owners.get(looked[position], ()):
                 if owner not in held and self._valid(owner, at):
                     held[owner] = position + 1
-        return held
+                    if inside is not None:
+                        continued[owner] = inside
+        return HeldBlocks(held, continued)
 
 
 class HashRing:

@@ -554,7 +554,7 @@ class Simulation:
                 iid: min(b * self.config.block_tokens, req.prompt_tokens) for iid, b in held.items()
             }
             # as PrefixIndex.cached_tokens
-            hot, popular = hot_instances(held, req.blocks, node.hot, now)
+            hot, popular = hot_instances(held, req.blocks, node.hot, now, now)
             cached = CachedTokens(cached, hot, popular)
         k = self._choose(node, req, now, expected, cached)
         self.node_of[r] = n
@@ -567,7 +567,7 @@ class Simulation:
         if prefix_aware:
             blocks = req.blocks[: self.config.prefix_max_blocks]
             node.hot.note(blocks, now)
-            self.prefix_index.record(self.ids[k], blocks, held.get(self.ids[k], 0))
+            self.prefix_index.record(self.ids[k], blocks, held.get(self.ids[k], 0), now)
         if self.strategy in SHARED:
             spec = self.specs[k]
             self.alone[r] = self.state.row(self.ids[k]).pending_prefill == 0

@@ -19,6 +19,7 @@ from bench.sim.prefix_policies import (
 )
 from bench.sim.simulator import PREFIX_STRATEGIES, SimConfig, simulate
 from bench.sim.traces import TraceRequest, parse_trace, scale_to_utilization
+from coordinator.prefix import CachedTokens
 from tests.conftest import MakeCoordinator
 from tests.helpers import spec
 
@@ -65,8 +66,12 @@ async def test_the_sim_index_agrees_with_the_real_one(
 
     for blocks in prompts(3, 60):
         hashes = c.prefix.hashes({"prompt": text(blocks)})
-        real = {k: v // tokens for k, v in (await c.prefix.cached_tokens(hashes)).items()}
-        assert real == sim.cached_blocks(blocks), blocks
+        found = await c.prefix.cached_tokens(hashes)
+        real = {k: v // tokens for k, v in found.items()}
+        expected = sim.cached_blocks(blocks)
+        assert real == expected, blocks
+        # This node routed nothing: its hot credits are those inside a recorded prompt.
+        assert isinstance(found, CachedTokens) and found.hot == set(expected.continued), blocks
         chosen = f"i{rng.randrange(3)}"
         held = real.get(chosen, 0)
         await c.prefix.record(chosen, hashes, held * tokens)

@@ -16,10 +16,11 @@ from coordinator.prefix_entries import (
 
 
 def test_entries_parse_ids_with_colons_and_skip_anything_else() -> None:
-    assert parse_entries("x:y#3|12 bad z#q|1 w#2|x i-1#0|4") == [
+    assert parse_entries("x:y#3|12 bad z#q|1 w#2|x i-1#0|4+17 v#1|+1 u#1|2+ t#1|2++1") == [
         Entry("x:y", 3, 12),
-        Entry("i-1", 0, 4),
+        Entry("i-1", 0, 4, continued=17),
     ]
+    assert [e.text for e in parse_entries("x:y#3|12 i-1#0|4+17")] == ["x:y#3|12", "i-1#0|4+17"]
     assert parse_entries(None) == []
 
 
@@ -42,13 +43,26 @@ def test_cached_blocks_credits_the_deepest_valid_entry_at_the_current_epoch() ->
     assert cached_blocks(entries, counts, epochs, lambda _: 4) == {"a": 4, "b": 1}
     assert cached_blocks(entries, counts, epochs, lambda _: 100) == {"a": 5, "b": 1}
     assert cached_blocks([], counts, epochs, lambda _: 4) == {}
+    assert cached_blocks(entries, counts, epochs, lambda _: 4).continued == {}
     # Only the counts of owners at their current epoch are asked for.
     assert current_stems(entries, epochs) == ["a#1", "b#2"]
 
 
+def test_continued_names_the_instances_credited_inside_a_recorded_prompt() -> None:
+    """A credit at an entry a prompt went on past ('+<second>') is another prompt
+    through a shared prefix; at a prompt's last block, that prompt's next turn."""
+    epochs = {"a": 1, "b": 1}.get
+    entries = [parse_entries(v) for v in ("a#1|9+5 b#1|9+6", "a#1|8", "b#1|7+7")]
+    held = cached_blocks(entries, {"a#1": 10, "b#1": 10}, epochs, lambda _: 100)
+    assert held == {"a": 2, "b": 3} and held.continued == {"b": 7}
+    # the deepest valid entry decides: b's at block 3 fell out, its first is inside
+    held = cached_blocks(entries, {"a#1": 10, "b#1": 12}, epochs, lambda _: 4)
+    assert held == {"a": 2, "b": 1} and held.continued == {"b": 6}
+
+
 def test_reclaim_keeps_valid_entries_and_drops_the_rest() -> None:
     sampled = [
-        ("h1", "a#1|9 b#1|3"),  # b is at epoch 2 now: its entry goes
+        ("h1", "a#1|9+5 b#1|3"),  # b is at epoch 2 now: its entry goes
         ("h2", "a#1|2"),  # a has moved 8 blocks on: out of its 4
         ("h3", "a#1|8 c#1|5"),  # all valid: untouched
         ("a#1", "10"),
@@ -64,7 +78,7 @@ def test_reclaim_keeps_valid_entries_and_drops_the_rest() -> None:
     counts = {"a#1": 10, "b#1": 7, "c#1": 5}
     dels, sets = reclaimed(sampled, epochs, counts, lambda _: 4)
     assert sorted(dels) == ["b#1", "h2", "u#1"]
-    assert sets == {"h1": "a#1|9"}
+    assert sets == {"h1": "a#1|9+5"}  # as it was
 
 
 def test_a_count_seen_stands_for_as_long_as_its_growth_allows() -> None:

@@ -3,6 +3,8 @@ the real server and fakeredis (they must agree): lookup, bounds, epochs, privacy
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from coordinator import Coordinator, ScriptArgumentError
@@ -41,6 +43,12 @@ async def owners(c: Coordinator) -> dict[str, str]:
     """The index's block fields (its count fields have a '#')."""
     values = await c.redis.hgetall(c.keys.prefix_index())
     return {str(k): str(v) for k, v in values.items() if "#" not in str(k)}
+
+
+async def untimed(c: Coordinator) -> dict[str, str]:
+    """`owners`, with the Redis second of each entry inside a prompt ("+<second>")
+    left as "+"."""
+    return {k: re.sub(r"\+\d+", "+", v) for k, v in (await owners(c)).items()}
 
 
 async def counts(c: Coordinator) -> dict[str, str]:
@@ -100,6 +108,22 @@ async def test_max_owners_keeps_the_most_recent_instances(
         await c.prefix.record(f"i{i}", hashes(c, "a"))
     assert await c.prefix.cached_tokens(hashes(c, "a")) == {"i2": TOKENS, "i3": TOKENS}
     assert [v.split() for v in (await owners(c)).values()] == [["i2#1|1", "i3#1|1"]]
+
+
+async def test_a_record_keeps_the_other_instances_marked_entries(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Entries a prompt went on past ('+<second>') stay as they are when another
+    instance records the block, and the recording instance's own entry is rewritten
+    as this prompt has it: inside it or at its end."""
+    c = await setup(make_coordinator)
+    await c.prefix.record("i1", hashes(c, "a", "b"))
+    await c.prefix.record("i0", hashes(c, "a", "c"))
+    await c.prefix.record("i1", hashes(c, "a"))  # a prompt that ends there
+    a = hashes(c, "a")[0]
+    assert (await untimed(c))[a].split() == ["i0#1|2+", "i1#1|3"]
+    found = await c.prefix.cached_tokens(hashes(c, "a", "d"))
+    assert found == {"i0": TOKENS, "i1": TOKENS} and found.hot == {"i0"}
 
 
 async def test_epoch_bump_voids_at_once_and_storage_is_reclaimed(
@@ -354,11 +378,24 @@ async def test_a_strided_index_credits_the_deepest_entry_and_counts_blocks(
     parts = [chr(ord("a") + k) for k in range(20)]
     whole = hashes(c, *parts)
     await c.prefix.record("i0", whole)
-    # Entries at blocks 8, 16 and 20, at the counts their weights brought, deepest first.
-    assert await owners(c) == {whole[19]: "i0#1|4", whole[15]: "i0#1|12", whole[7]: "i0#1|20"}
-    assert await c.prefix.cached_tokens(hashes(c, *parts)) == {"i0": 20 * TOKENS}
-    # A prompt that leaves this one after 13 blocks: credited up to the entry at 8.
-    assert await c.prefix.cached_tokens(hashes(c, *parts[:13], "z")) == {"i0": 8 * TOKENS}
+    # Entries at blocks 8, 16 and 20, at the counts their weights brought, deepest
+    # first; the prompt went on past 8 and 16 ('+').
+    assert await untimed(c) == {whole[19]: "i0#1|4", whole[15]: "i0#1|12+", whole[7]: "i0#1|20+"}
+    found = await c.prefix.cached_tokens(hashes(c, *parts))
+    assert found == {"i0": 20 * TOKENS} and found.hot == frozenset()
+    # Its next turn: credited at its last block, not hot (no node routed it lately).
+    found = await c.prefix.cached_tokens(hashes(c, *parts, "y"))
+    assert found == {"i0": 20 * TOKENS} and found.hot == frozenset()
+    # A prompt that leaves this one after 13 blocks: credited up to the entry at 8,
+    # which the recorded prompt went on past: another prompt through a shared prefix,
+    # hot on a node that never routed it.
+    found = await c.prefix.cached_tokens(hashes(c, *parts[:13], "z"))
+    assert found == {"i0": 8 * TOKENS} and found.hot == {"i0"}
+    # ... within COORD_PREFIX_HOT_MS only: the same entry recorded a minute ago is not.
+    now = int((await c.redis.time())[0])
+    await c.redis.hset(c.keys.prefix_index(), whole[7], f"i0#1|20+{now - 60}")
+    found = await c.prefix.cached_tokens(hashes(c, *parts[:13], "z"))
+    assert found == {"i0": 8 * TOKENS} and found.hot == frozenset()
     assert await c.prefix.index_tokens([("i0", 1)]) == {"i0": 20 * TOKENS}
     # The next turn: its previous prompt credited in full, 3 blocks added.
     turn = hashes(c, *parts, "x", "y", "w")
@@ -610,4 +647,4 @@ async def test_garbage_in_the_index_costs_credit_never_a_request(
     await c.prefix.record("i0", turn)  # i0's count starts again
     assert await c.prefix.cached_tokens(turn) == {"i0": 2 * TOKENS}
     assert (await counts(c))["i0#1"] == "2"
-    assert await owners(c) == {turn[0]: "i0#1|2", turn[1]: "i0#1|1"}  # entries only
+    assert await untimed(c) == {turn[0]: "i0#1|2+", turn[1]: "i0#1|1"}  # entries only
