@@ -69,6 +69,7 @@ ANCHOR_SHARE = 1.1  # affinity's TTFT p99 <= this x the better anchor's
 AZURE_SHARE = 1.03  # no regression without prefixes: within 3%
 LIVE_SHARE = 0.15  # live agrees with the sim within 15% (hit rate, TTFT p50)
 STICKY_SHARE = 0.8  # follow-up turns on their previous turn's instance, at least
+TURNS_CONVERSATIONS = 24  # the follow-up trial's conversations (bench/prefix_live.py)
 BUSIEST_SHARE = 1.6  # the busiest instance serves at most this x the mean
 COST_US = 30.0  # Redis CPU the index may add per request
 COST_POOLS = (64, 1024)
@@ -268,18 +269,29 @@ def turns_part(instances: int, nodes: int) -> tuple[str, list[Check]]:
 
     s = Settings()
     results: list[tuple[str, TurnsResult]] = []
-    for label, shared in (("a system prompt of its own", False),
-                          ("one system prompt shared by all", True)):  # fmt: skip
+    harsh = f"one shared by all, {2 * nodes} nodes, twice the conversations"
+    for label, shared, fleet, conversations in (
+        ("a system prompt of its own", False, nodes, TURNS_CONVERSATIONS),
+        ("one system prompt shared by all", True, nodes, TURNS_CONVERSATIONS),
+        (harsh, True, 2 * nodes, 2 * TURNS_CONVERSATIONS),
+    ):
         cluster = LocalCluster(  # a fresh cluster each: nothing carried from the other
-            nodes=nodes,
+            nodes=fleet,
             engines=instances,
-            base_port=free_port_block(nodes, instances),
+            base_port=free_port_block(fleet, instances),
             pool=f"prefix-turns-{len(results)}",
             engine_args=["--prefix-cache-tokens", str(s.prefix_cache_tokens)],
         )
         cluster.start(timeout_s=60)
         try:
-            r = asyncio.run(follow_up_turns(cluster.node_urls, instances, shared_system=shared))
+            r = asyncio.run(
+                follow_up_turns(
+                    cluster.node_urls,
+                    instances,
+                    shared_system=shared,
+                    conversations=conversations,
+                )
+            )
             results.append((label, r))
         finally:
             cluster.stop()
@@ -290,9 +302,13 @@ def turns_part(instances: int, nodes: int) -> tuple[str, list[Check]]:
         f"turn k through node (conversation + k) mod {nodes}); {instances} mock engines at "
         f"speed 1 with a {s.prefix_cache_tokens:,}-token prefix cache; nodes in their "
         f"default configuration; the busiest instance against the mean over all "
-        f"{instances}, idle ones included. Two runs, each on a fresh cluster: each "
+        f"{instances}, idle ones included. Three runs, each on a fresh cluster: each "
         f"conversation with a system prompt of its own, then all with one shared system "
-        f"prompt (a popular prefix: every first turn finds it cached somewhere).",
+        f"prompt (a popular prefix: every first turn finds it cached somewhere), then "
+        f"the shared prompt again with {2 * nodes} nodes and "
+        f"{2 * TURNS_CONVERSATIONS} conversations (beyond the target's setting: each "
+        f"node's first request through the prompt, and every node's view of who took "
+        f"the last ones, is what piles conversations onto one instance).",
         "",
         "| system prompt | follow-ups on the previous turn's instance | requests per "
         "instance | busiest / mean | failed |",

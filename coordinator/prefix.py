@@ -467,19 +467,20 @@ def guarded_cached_tokens(
     instance (and has few requests in flight), and takes every conversation's first
     turn while the others idle. So a hot prefix's credit also needs `room` (see
     `hot_room()`, the bounded-loads rule): the nodes give it the requests in flight
-    in the pool and those the fleet sent each instance lately (`RecentStarts`). A holder over its share loses the
-    credit, the request goes where the load is, and that instance holds the prefix
-    from then on. Once several instances hold it, losing credit changes nothing, so
-    the result names the instances over their share (`CachedTokens.crowded`), which
-    the request passes by, and bounds the others' requests in flight on Redis
-    (`CachedTokens.most_inflight`). With no instance idle (`Room.idle` False) no
-    credit is lost, and the request passes by only holders over their share of the
-    fleet's recent requests while another holder is within it. All of this only where a copy
-    pays: a short prefix (at most `cheap_copy` tokens, a small share of a cache:
-    `cheap_copy_tokens()`) or a popular one (`CachedTokens.popular`, whose copy
-    serves the requests to come). A long prefix that went under one other prompt
-    stays with its holder under the backlog guard: copying it would
-    evict a large share of another cache for a request or two.
+    in the pool and those the fleet sent each instance lately (`RecentStarts`). A
+    holder over its share loses the credit, the request goes where the load is, and
+    that instance holds the prefix from then on. Once several instances hold it,
+    losing credit changes nothing, so the result names the instances over their
+    share (`CachedTokens.crowded`), which the request passes by, and bounds the
+    others' requests in flight on Redis (`CachedTokens.most_inflight`). With no
+    instance idle (`Room.idle` False) no credit is lost, and the request passes by
+    only holders over their share of the fleet's recent requests while another
+    holder is within it. All of this only where a copy pays: a short prefix (at
+    most `cheap_copy` tokens, a small share of a cache: `cheap_copy_tokens()`) or a
+    popular one (`CachedTokens.popular`, whose copy serves the requests to come). A
+    long prefix that went under one other prompt stays with its holder under the
+    backlog guard: copying it would evict a large share of another cache for a
+    request or two.
     Conversations' next turns are not hot (`HotPrefixes`) and keep their holder.
     """
     if guard_ms <= 0:

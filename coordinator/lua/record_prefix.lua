@@ -6,8 +6,8 @@
 -- the value that is no entry dropped) and keep at most `max_owners`. The deepest
 -- pair is the prompt's last block; every other entry ends in '+' and the Redis time
 -- in seconds (the prompt went on past the block then: another prompt credited there
--- soon after shares a prefix with it, and is not its next turn). One HMGET and one HSET, the fewest strings in and out of Lua:
--- this runs once per request.
+-- soon after shares a prefix with it, and is not its next turn). One HMGET and one
+-- HSET, the fewest strings in and out of Lua: this runs once per request.
 -- KEYS[1] = {pool}:prefix_index (only this key: no pool columns)
 -- ARGV[1] = "<id>#<epoch>" (an instance id, its epoch as the node's view has it)
 -- ARGV[2] = max_owners: instances kept per block (integer 1..64)
