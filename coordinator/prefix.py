@@ -290,7 +290,7 @@ def hot_instances(
     blocks: Sequence[Hashable],
     hot: HotPrefixes,
     now_ms: float,
-    redis_now_ms: float = 0.0,
+    redis_now_ms: float,
 ) -> tuple[set[str], set[str]]:
     """Instances whose deepest credited block (of `held` blocks each) is hot, and those
     of them where it is popular (`POPULAR_COUNT`), for the prompt of `blocks` (with

@@ -24,6 +24,7 @@ from coordinator.prefix import (
     idle_fleet_room,
     salt_key,
 )
+from coordinator.prefix_entries import HeldBlocks
 from coordinator.settings import Settings
 
 KEY = salt_key("pool", "")
@@ -213,11 +214,25 @@ def test_hot_instances_look_at_each_deepest_credited_block() -> None:
     hot = HotPrefixes(1000)
     blocks = ["h1", "h2", "h3"]
     hot.note(["h2", "other"], 0)  # h2 inside a prompt
-    assert hot_instances({"a": 2, "b": 3, "c": 0}, blocks, hot, 10) == ({"a"}, set())
+    assert hot_instances({"a": 2, "b": 3, "c": 0}, blocks, hot, 10, 10) == ({"a"}, set())
     for t in range(1, 4):
         hot.note(["h2", f"other{t}"], t)  # inside 4 prompts: popular
-    assert hot_instances({"a": 2, "b": 3}, blocks, hot, 10) == ({"a"}, {"a"})
+    assert hot_instances({"a": 2, "b": 3}, blocks, hot, 10, 10) == ({"a"}, {"a"})
     assert hot.popularity("h2", 10) == POPULAR_COUNT
+
+
+def test_a_credit_inside_a_prompt_another_node_routed_lately_is_hot() -> None:
+    # "a" is credited inside a prompt recorded at Redis second 100 (a '+100' entry),
+    # "b" at a prompt's end; this node routed neither, so only the index's time tells.
+    held = HeldBlocks({"a": 2, "b": 2}, continued={"a": 100})
+    blocks = ["h1", "h2"]
+    assert hot_instances(held, blocks, HotPrefixes(2000), 0, 101_500) == ({"a"}, set())
+    # the window from the latest the entry may have been written (second 100 ends at
+    # 101,000 ms): hot up to 2,000 ms past that
+    assert hot_instances(held, blocks, HotPrefixes(2000), 0, 103_000) == ({"a"}, set())
+    assert hot_instances(held, blocks, HotPrefixes(2000), 0, 103_001) == (set(), set())
+    assert hot_instances(held, blocks, HotPrefixes(2000), 0, 160_000) == (set(), set())
+    assert hot_instances(held, blocks, HotPrefixes(0), 0, 101_500) == (set(), set())  # off
 
 
 def test_hot_instances_tell_a_next_turn_from_another_prompt_by_the_text() -> None:
@@ -231,8 +246,8 @@ def test_hot_instances_tell_a_next_turn_from_another_prompt_by_the_text() -> Non
     other = block_hashes(system + "user: something else", KEY, 16, 8)
     assert turn[:2] == other[:2] == list(first)
     # the holder of both blocks: the next turn is not hot, another prompt is
-    assert hot_instances({"i0": 2}, turn, hot, 1) == (set(), set())
-    assert hot_instances({"i0": 2}, other, hot, 1) == ({"i0"}, set())
+    assert hot_instances({"i0": 2}, turn, hot, 1, 1) == (set(), set())
+    assert hot_instances({"i0": 2}, other, hot, 1, 1) == ({"i0"}, set())
 
 
 def test_bounded_loads_count_the_pool_in_flight_only_while_an_instance_is_idle() -> None:
