@@ -49,7 +49,7 @@ def connect_redis(url: str, settings: Settings) -> Any:
         if not parts:
             raise InvalidArgumentError("a sentinel URL needs the master name: .../mymaster[/db]")
         db = int(parts[1]) if len(parts) > 1 else 0
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
             hosts,
             sentinel_kwargs={"socket_timeout": max(timeout, 0.5)},
             username=user,
