@@ -6,7 +6,8 @@
   the instances are loaded.
 - `redis_cost`: Redis CPU per request of the prefix index (the decision's `HMGET`
   and `record_prefix`), from `INFO commandstats` of a private server whose index is
-  full, at several pool sizes.
+  full, at several pool sizes; and the same commands replayed in pipelines (a busy
+  shard, which never idles between calls).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import random
 import statistics
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +142,8 @@ class CostResult:
     records_per_request: float  # a request whose blocks were all held records nothing
     cpu_us: float = float("nan")  # server main-thread CPU per request (lookup and record,
     # network included): what a preempted server's wall-clock usec_per_call leaves out
+    replayed_cpu_us: float = float("nan")  # the same, for the same commands replayed in
+    # pipelines from the state they started from: the server never waits between them
 
     @property
     def total_us(self) -> float:
@@ -173,6 +177,71 @@ def _usec(commandstats: dict[str, Any]) -> float:
     )
 
 
+class CommandLog:
+    """The commands one asyncio client sends while `on` (its pipelines' included, as
+    queued), to replay them later (`replayed_cpu_us`)."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.on = False
+        self.commands: list[tuple[Any, ...]] = []
+        send: Callable[..., Awaitable[Any]] = redis.execute_command
+        pipeline = redis.pipeline
+
+        async def logged(*args: Any, **options: Any) -> Any:
+            if self.on:
+                self.commands.append(args)
+            return await send(*args, **options)
+
+        def logged_pipeline(*args: Any, **kwargs: Any) -> Any:
+            pipe = pipeline(*args, **kwargs)
+            execute = pipe.execute
+
+            async def logged_execute(*a: Any, **k: Any) -> Any:
+                if self.on:
+                    self.commands += [command for command, _ in pipe.command_stack]
+                return await execute(*a, **k)
+
+            pipe.execute = logged_execute  # type: ignore[method-assign]
+            return pipe
+
+        redis.execute_command = logged  # type: ignore[method-assign]
+        redis.pipeline = logged_pipeline  # type: ignore[method-assign]
+
+
+async def replayed_cpu_us(
+    redis: Redis, pattern: str, start: dict[bytes, bytes], commands: list[tuple[Any, ...]],
+    requests: int, batch: int = 500, repeats: int = 5,
+) -> float:  # fmt: skip
+    """Server main-thread CPU per request (µs) of `commands` sent again in pipelines of
+    `batch` onto the pool as it was when they were first sent (`start`: its keys
+    DUMPed): the same work without a wait for each reply, as a busy shard does it.
+    The median of `repeats` replays, each from `start` (a replay of a thousand
+    requests takes a few ms of CPU, which the kernel counts in ticks). The pool ends
+    as the first run left it, but for the seconds `record_prefix` stamps."""
+    found = [k async for k in redis.scan_iter(match=pattern, count=1000)]
+    runs = []
+    for _ in range(repeats):
+        if found:
+            await redis.delete(*found)
+        for key, payload in start.items():
+            await redis.restore(key, 0, payload, replace=True)
+        cpu = await _cpu_s(redis)
+        for at in range(0, len(commands), batch):
+            pipe = redis.pipeline(transaction=False)
+            for command in commands[at : at + batch]:
+                pipe.execute_command(*command)
+            await pipe.execute()
+        runs.append((await _cpu_s(redis) - cpu) * 1e6 / requests)
+        found = [k async for k in redis.scan_iter(match=pattern, count=1000)]
+    return statistics.median(runs)
+
+
+async def _dump(redis: Redis, pattern: str) -> dict[bytes, bytes]:
+    """Every key of the pattern, DUMPed."""
+    keys = [k async for k in redis.scan_iter(match=pattern, count=1000)]
+    return {k: v for k in keys if (v := await redis.dump(k)) is not None}
+
+
 async def redis_cost(
     redis_url: str,
     instances: int,
@@ -195,13 +264,16 @@ async def redis_cost(
     is timed in a pass of its own over the same requests: the script's own HMGETs
     count in the same `INFO commandstats` row. Each figure is the median over chunks
     of `chunk` requests, so that a moment the server is descheduled on a busy machine
-    moves one chunk, not the result.
+    moves one chunk, not the result. The lookups and records of each case are then
+    sent again in pipelines from the state they started from (`replayed_cpu_us`).
     """
     pool = f"cost-{instances}-{random.Random(seed).getrandbits(32):08x}"
     settings = Settings(prefix_cache_tokens=capacity_tokens)
     chars = settings.prefix_block_chars
     redis = Redis.from_url(redis_url)
+    log = CommandLog(redis)
     coordinator = Coordinator(redis, pool=pool, node_id="cost", settings=settings)
+    pattern = coordinator.keys.pattern()
     prefix = coordinator.prefix
     if record_script is not None:
         from coordinator.scripts import with_prelude
@@ -239,6 +311,7 @@ async def redis_cost(
                     text = _held_text(i, rng.randrange(held_each), size, chars)
                 batch.append((f"i{i}", block_hashes(text, key, chars, size)))
             lookups, records, cpus, calls = [], [], [], 0
+            start_state, log.commands = await _dump(redis, pattern), []
             for start in range(0, requests, chunk):
                 part = batch[start : start + chunk]
                 await redis.config_resetstat()
@@ -248,9 +321,11 @@ async def redis_cost(
                 lookups.append(_usec(await redis.info("commandstats")) / len(part))
                 await redis.config_resetstat()
                 cpu = await _cpu_s(redis)
+                log.on = True
                 for iid, hashes in part:
                     found = await prefix.cached_tokens(hashes)
                     await prefix.record(iid, hashes, found.get(iid, 0))
+                log.on = False
                 cpus.append((await _cpu_s(redis) - cpu) * 1e6 / len(part))
                 stats = await redis.info("commandstats")
                 # The record script's time, its own commands' included (as an earlier
@@ -263,6 +338,7 @@ async def redis_cost(
                     reclaim = sum(float(stats[row]["usec"]) for row in RECLAIM_ROWS if row in stats)
                     records.append((float(evalsha["usec"]) + reclaim) / int(evalsha["calls"]))
                     calls += int(evalsha["calls"])
+            replayed = await replayed_cpu_us(redis, pattern, start_state, log.commands, requests)
             out.append(
                 CostResult(
                     instances,
@@ -271,6 +347,7 @@ async def redis_cost(
                     statistics.median(records) if records else 0.0,
                     calls / requests,
                     statistics.median(cpus),
+                    replayed,
                 )
             )
     finally:
