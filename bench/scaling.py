@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import sys
@@ -255,6 +256,63 @@ class Recorder:
         same = sum(status_of(r) == s for r, s in zip(replies, self.statuses, strict=True))
         return {**d, "same": same / max(1, len(replies))}
 
+    def walk_profile(self, url: str, batch: int = 500) -> dict[str, float]:
+        """Replay every recorded call again in pipelines of `batch` with SLOWLOG timing
+        each one (`slowlog-log-slower-than 0`; a private server): of the `reserve`
+        calls that reserved, the share that took a candidate other than those its node
+        ranked best (`took_best`: its view was behind, and they had become busier than
+        their bounds), and the median µs of those and of the others."""
+        client = SyncRedis.from_url(url, decode_responses=True)
+        sha = load_scripts(client)
+        saved = {str(k): str(v) for k, v in client.config_get("slowlog-*").items()}
+        # Commands run inside a script are logged too: room for all of a batch's.
+        client.config_set("slowlog-max-len", batch * 64)
+        client.config_set("slowlog-log-slower-than", 0)
+        first: list[float] = []
+        walked: list[float] = []
+        try:
+            for at in range(0, len(self.calls), batch):
+                calls = self.calls[at : at + batch]
+                pipe = client.pipeline(transaction=False)
+                for name, keys, args in calls:
+                    queue_call(pipe, sha[name], name, keys, args)
+                client.slowlog_reset()
+                replies = call_replies(calls, pipe.execute(raise_on_error=False))
+                logged = [
+                    e["duration"]
+                    for e in reversed(client.slowlog_get(batch * 64))
+                    if _command_name(e["command"]) == "EVALSHA"
+                ]
+                if len(logged) != len(calls):
+                    raise RuntimeError(f"SLOWLOG kept {len(logged)} of {len(calls)} calls")
+                for (name, _, args), reply, us in zip(calls, replies, logged, strict=True):
+                    if name == "reserve" and status_of(reply) == "ok":
+                        (first if took_best(args, reply[1]) else walked).append(float(us))
+        finally:
+            for key, value in saved.items():
+                client.config_set(key, value)
+            client.close()
+        nan = float("nan")
+        return {
+            "walked_share": len(walked) / max(1, len(first) + len(walked)),
+            "first_us": statistics.median(first) if first else nan,
+            "walked_us": statistics.median(walked) if walked else nan,
+        }
+
+
+def took_best(args: list[Any], taken: str) -> bool:
+    """Whether a `reserve` (its recorded arguments) took a candidate its node ranked
+    best: its first, or one of the first `ties` (ARGV[11]) that tie for best, which
+    the script visits in turn round the pool."""
+    best = [args[RESERVE_HEAD_ARGS + 2 * i] for i in range(max(1, int(args[10])))]
+    return taken in best
+
+
+def _command_name(command: str | bytes) -> str:
+    """The first word of a SLOWLOG entry's command, upper case."""
+    text = command.decode() if isinstance(command, bytes) else command
+    return text.split(" ", 1)[0].upper()
+
 
 def status_of(reply: Any) -> Any:
     """A script reply's status word (reserve's 'ok'/'stale'/...), or its type."""
@@ -315,6 +373,8 @@ async def _cycles(url: str, pool: str, nodes: int, cycles: int) -> dict[str, flo
     end = PoolSnapshot(url, pool).take()
     start.restore()
     busy = recorded.replay(url)
+    start.restore()
+    walk = recorded.walk_profile(url)
     end.restore()
     start.close()
     end.close()
@@ -333,6 +393,7 @@ async def _cycles(url: str, pool: str, nodes: int, cycles: int) -> dict[str, flo
         "rows_per_req": rows / total,
         "retries_per_req": retries / total,
         "carries_per_req": carries / total,
+        **walk,
     }
 
 
@@ -1323,9 +1384,30 @@ def flatness_reason(r: Results, n: int, metric: str, each_key: str, label: str) 
         "`reserve` whose view is many changes behind finds its first candidates busier "
         "than their bounds and examines more of them (their `state` records in one read "
         "where their slots lie close together, else one read each, and the `live` record "
-        "of each one it would keep).",
+        f"of each one it would keep).{walk_sentence(one, many, top)}",
         "",
     ]
+
+
+def walk_sentence(one: dict[str, Any], many: dict[str, Any], top: int) -> str:
+    """What the walk past a node's best candidates costs, from `Recorder.walk_profile`
+    (empty for results saved before it was measured)."""
+    if "walked_share" not in many or math.isnan(many["walked_us"]):
+        return ""
+    alone = (
+        f"; with 1 node {one['walked_share']:.0%}, and {one['first_us']:.0f} µs "
+        "for one that took its best"
+        if not math.isnan(one["first_us"])
+        else ""
+    )
+    return (
+        f" Timed call by call in a replay (SLOWLOG, whose logging of every command the "
+        f"µs include): with {top} nodes "
+        f"{many['walked_share']:.0%} of the reserves that reserved took a candidate other "
+        "than those their node ranked best, and such a call took "
+        f"{many['walked_us']:.0f} µs at the median against {many['first_us']:.0f} µs for "
+        f"one that took its best{alone}."
+    )
 
 
 def reasons(r: Results) -> list[str]:

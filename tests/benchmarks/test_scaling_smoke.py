@@ -19,7 +19,14 @@ from collections.abc import Iterator
 import pytest
 from redis import Redis
 
-from bench.scaling import Scale, _cycles, _stalls, register_pool, reserve_breakdown
+from bench.scaling import (
+    Scale,
+    _cycles,
+    _stalls,
+    register_pool,
+    reserve_breakdown,
+    took_best,
+)
 from coordinator import Settings
 from coordinator.coordinator import REAP_STEP, SPEC_READ_STEP, SWEEP_STEP, TIMING_STEP
 from coordinator.keys import PoolKeys
@@ -89,11 +96,24 @@ async def test_cycle_replay_repeats_the_run_and_restores_the_pool(server: Embedd
         # with the last ones.
         assert round(r["calls_per_req"] * 40) == 41
         assert r["busy_cpu_us_per_req"] > 0
+        # A lone node's view is current: every reserve took a candidate it ranked best,
+        # and the replay timed each (SLOWLOG).
+        assert r["walked_share"] == 0.0 and r["first_us"] > 0
     # Each run changed `state` three times per request (reserve, first token, release)
     # and its replay counted none twice: the pool ends as the nodes left it.
     assert [b - a for a, b in itertools.pairwise(versions)] == [3 * 40, 3 * 40]
     assert client.hlen(PoolKeys(Settings().key_prefix, "replay").column("reservations")) == 0
     client.close()
+
+
+def test_a_reserve_took_its_best_when_it_took_its_first_or_a_tie_for_first() -> None:
+    def args(ties: int) -> list[object]:
+        head: list[object] = ["rid", "node", 512, 128, 0, 0, 1000, 0, "", 3, ties, ""]
+        return [*head, "a", "b0", "b", "b1", "c", "b2"]
+
+    assert took_best(args(0), "a") and not took_best(args(0), "b")
+    assert took_best(args(2), "b") and not took_best(args(2), "c")
+    assert took_best(args(3), "c")
 
 
 def test_reserve_breakdown_cuts_the_real_script_and_counts_its_commands(
