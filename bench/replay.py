@@ -5,7 +5,7 @@ too and keeps one reply per recorded call."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from coordinator.coordinator import read_state_gets
@@ -34,3 +34,14 @@ def call_replies(
             for _ in read_state_gets(list(keys), list(args)):
                 next(answers)
     return out
+
+
+def send_calls(
+    client: Any, sha: Mapping[str, str], calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]]
+) -> list[Any]:
+    """Send recorded calls in one pipeline (no transaction, errors returned as
+    replies); one reply per call."""
+    pipe = client.pipeline(transaction=False)
+    for name, keys, args in calls:
+        queue_call(pipe, sha[name], name, keys, args)
+    return call_replies(calls, pipe.execute(raise_on_error=False))

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.docs import add_write_docs  # noqa: E402
-from bench.replay import call_replies, queue_call  # noqa: E402
+from bench.replay import send_calls  # noqa: E402
 from coordinator import Coordinator, InstanceSpec, Settings  # noqa: E402
 from coordinator.connection import connect_redis  # noqa: E402
 from coordinator.coordinator import (  # noqa: E402
@@ -246,13 +246,9 @@ class Recorder:
         before = server_counters(client)
         replies: list[Any] = []
         for at in range(0, len(self.calls), batch):
-            pipe = client.pipeline(transaction=False)
-            for name, keys, args in self.calls[at : at + batch]:
-                queue_call(pipe, sha[name], name, keys, args)
-            replies += pipe.execute(raise_on_error=False)
+            replies += send_calls(client, sha, self.calls[at : at + batch])
         d = diff(server_counters(client), before)
         client.close()
-        replies = call_replies(self.calls, replies)
         same = sum(status_of(r) == s for r, s in zip(replies, self.statuses, strict=True))
         return {**d, "same": same / max(1, len(replies))}
 
@@ -273,11 +269,8 @@ class Recorder:
         try:
             for at in range(0, len(self.calls), batch):
                 calls = self.calls[at : at + batch]
-                pipe = client.pipeline(transaction=False)
-                for name, keys, args in calls:
-                    queue_call(pipe, sha[name], name, keys, args)
                 client.slowlog_reset()
-                replies = call_replies(calls, pipe.execute(raise_on_error=False))
+                replies = send_calls(client, sha, calls)
                 logged = [
                     e["duration"]
                     for e in reversed(client.slowlog_get(batch * 64))
