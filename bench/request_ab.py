@@ -38,7 +38,12 @@ url, n, decisions, cycles = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int
 out = run_case(url, n, 1, decisions, 500)
 pool = f"ab-{n}"
 register_pool(url, pool, n)
-out.update(asyncio.run(_cycles(url, pool, 1, cycles)))
+got = asyncio.run(_cycles(url, pool, 1, cycles))
+if isinstance(got, tuple):  # the run and its recording, replayed here
+    got, recording = got
+    got.update(recording.replay(url))
+    recording.close()
+out.update(got)
 delete_pool(url, pool, PREFIX)
 print(json.dumps(out))
 """

@@ -314,9 +314,39 @@ def status_of(reply: Any) -> Any:
     return type(reply).__name__
 
 
-async def _cycles(url: str, pool: str, nodes: int, cycles: int) -> dict[str, float]:
+@dataclass
+class Recording:
+    """One cycle run's calls, with the pool as they found it and as they left it."""
+
+    calls: Recorder
+    start: PoolSnapshot
+    end: PoolSnapshot
+    requests: int
+
+    def replay(self, url: str) -> dict[str, float]:
+        """The calls sent again, pipelined, onto the state they started from: server CPU
+        and EVALSHA µs per request, the share of calls that got the recorded status.
+        The pool is left as the run left it."""
+        self.start.restore()
+        busy = self.calls.replay(url)
+        self.end.restore()
+        return {
+            "busy_cpu_us_per_req": busy["cpu_s"] * 1e6 / self.requests,
+            "busy_usec_per_req": busy["usec"] / self.requests,
+            "replay_same": busy["same"],
+        }
+
+    def close(self) -> None:
+        self.start.close()
+        self.end.close()
+
+
+async def _cycles(
+    url: str, pool: str, nodes: int, cycles: int
+) -> tuple[dict[str, float], Recording]:
     """`nodes` Coordinators in one process, interleaving full request cycles; then the
-    same calls replayed, pipelined, onto the pool as the cycles found it."""
+    same calls replayed with SLOWLOG on (the walk profile). The recording, to replay
+    for the server's CPU alone (`Recording.replay`)."""
     made = [
         await Coordinator.connect(
             url, pool=pool, node_id=f"n{k}", settings=SETTINGS, background=False
@@ -365,17 +395,10 @@ async def _cycles(url: str, pool: str, nodes: int, cycles: int) -> dict[str, flo
         raise RuntimeError(f"{degraded} node(s) went degraded during a cycle run")
     end = PoolSnapshot(url, pool).take()
     start.restore()
-    busy = recorded.replay(url)
-    start.restore()
     walk = recorded.walk_profile(url)
     end.restore()
-    start.close()
-    end.close()
     total = per_node * nodes
     return {
-        "busy_cpu_us_per_req": busy["cpu_s"] * 1e6 / total,
-        "busy_usec_per_req": busy["usec"] / total,
-        "replay_same": busy["same"],
         "requests": total,
         "rps": total / wall,
         "calls_per_req": d["calls"] / total,
@@ -387,14 +410,23 @@ async def _cycles(url: str, pool: str, nodes: int, cycles: int) -> dict[str, flo
         "retries_per_req": retries / total,
         "carries_per_req": carries / total,
         **walk,
-    }
+    }, Recording(recorded, start, end, total)
+
+
+# Rounds of replays of one repetition's recordings: in each, every node count's in turn
+# (side by side: a burst of noise on the shared machine lands on all cells alike), and
+# each cell's replayed figure is the median of its rounds.
+REPLAY_ROUNDS = 5
 
 
 def measure_cycles(url: str, quick: bool) -> list[dict[str, Any]]:
-    """Section 1: cost of one request cycle by pool size × node count (median of reps)."""
+    """Section 1: cost of one request cycle by pool size × node count (median of reps);
+    then each repetition's recordings replayed side by side (`REPLAY_ROUNDS`)."""
     reps = 1 if quick else 3
     cycles = 600 if quick else 3000
+    rounds = 1 if quick else REPLAY_ROUNDS
     runs: dict[tuple[int, int], list[dict[str, float]]] = {}
+    recordings: dict[tuple[int, int, int], Recording] = {}
     for instances in SIZES:
         register_pool(url, f"cycle-{instances}", instances)
     # Repetitions outermost, cells interleaved: noise from the shared machine lands on
@@ -402,21 +434,40 @@ def measure_cycles(url: str, quick: bool) -> list[dict[str, Any]]:
     for rep in range(reps):
         for instances in SIZES:
             for nodes in NODE_COUNTS:
-                r = asyncio.run(_cycles(url, f"cycle-{instances}", nodes, cycles))
+                r, recordings[(instances, nodes, rep)] = asyncio.run(
+                    _cycles(url, f"cycle-{instances}", nodes, cycles)
+                )
                 runs.setdefault((instances, nodes), []).append(r)
                 print(
                     f"  cycles rep {rep + 1}/{reps}: {instances:5d} instances, {nodes:3d} nodes: "
-                    f"{r['cpu_us_per_req']:.0f} us CPU ({r['busy_cpu_us_per_req']:.0f} replayed, "
-                    f"{r['replay_same']:.0%} same), {r['usec_per_req']:.0f} us EVALSHA, "
+                    f"{r['cpu_us_per_req']:.0f} us CPU, {r['usec_per_req']:.0f} us EVALSHA, "
                     f"{r['calls_per_req']:.2f} calls, {r['bytes_per_req']:,.0f} B out per request",
                     flush=True,
                 )
     for instances in SIZES:
+        for rep in range(reps):
+            replayed: dict[int, list[dict[str, float]]] = {}
+            for _ in range(rounds):
+                for nodes in NODE_COUNTS:
+                    one = recordings[(instances, nodes, rep)].replay(url)
+                    replayed.setdefault(nodes, []).append(one)
+            for nodes in NODE_COUNTS:
+                runs[(instances, nodes)][rep].update(median_of(replayed[nodes]))
+                recordings[(instances, nodes, rep)].close()
+            print(
+                f"  replayed rep {rep + 1}/{reps}: {instances:5d} instances: "
+                + ", ".join(
+                    f"{n} nodes {runs[(instances, n)][rep]['busy_cpu_us_per_req']:.0f} us"
+                    for n in NODE_COUNTS
+                )
+                + f" CPU per request (median of {rounds})",
+                flush=True,
+            )
         delete_pool(url, f"cycle-{instances}", PREFIX)
     out = []
     for (instances, nodes), cell in runs.items():
         m: dict[str, Any] = median_of(cell)
-        m.update(instances=instances, nodes=nodes, reps=len(cell))
+        m.update(instances=instances, nodes=nodes, reps=len(cell), replay_rounds=rounds)
         m["cpu_all"] = [r["cpu_us_per_req"] for r in cell]
         m["busy_all"] = [r["busy_cpu_us_per_req"] for r in cell]
         out.append(m)
@@ -1552,6 +1603,7 @@ def render(r: Results) -> str:
     worst = max(r.stalls, key=lambda s: s["max_ms"])
     churn = r.stalls[-1]
     before = next(s for s in r.stalls if s["op"].startswith("f0"))
+    rounds = r.cycles[0].get("replay_rounds", 1)
     command = "python bench/scaling.py --write-docs" + (" --quick" if r.quick else "")
     reps = cell[(64, 1)]["reps"]
     out = [
@@ -1566,7 +1618,7 @@ def render(r: Results) -> str:
         "treat the absolute µs as an upper bound and the ratios as the finding. The",
         "same requests counted in server instructions, which this machine's speed does",
         'not move, are in docs/benchmarks.md ("Server instructions per request",',
-        "`bench/instructions.py`), with a callgrind profile of where a call's work goes.",
+        "`bench/instructions.py`), with what a script's building blocks cost (`bench/lua_costs.py`).",
         "",
         "Related tests: `pytest tests/library/test_redis_cluster.py` (a 3-primary cluster: pools on",
         "different shards, the invariants, NOSCRIPT after SCRIPT FLUSH on every primary,",
@@ -1700,9 +1752,13 @@ def render(r: Results) -> str:
         "script call the nodes sent is recorded, in the order sent, the pool is put back",
         "as the run found it (DUMP/RESTORE of every key), and the calls are sent again in",
         "pipelines of 500: the same work, from the same state, with the server never",
-        "waiting. `same status` is the share of replayed calls whose status (`ok`,",
-        "`stale`, ...) equals the one the run got: below 100% where concurrent nodes' calls",
-        "reached the server in another order than they were sent.",
+        "waiting. After every run, each repetition's recordings of one pool size are",
+        f"replayed side by side: {rounds} rounds, each replaying every node count's in",
+        "turn (a spell of noise on the shared machine lands on all of them alike); a",
+        "cell's replayed figure for the repetition is the median of its rounds. `same",
+        "status` is the share of replayed calls whose status (`ok`, `stale`, ...) equals",
+        "the one the run got: below 100% where concurrent nodes' calls reached the server",
+        "in another order than they were sent.",
         "",
         *t["cycles"],
         "",

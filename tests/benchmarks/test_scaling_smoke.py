@@ -87,7 +87,9 @@ async def test_cycle_replay_repeats_the_run_and_restores_the_pool(server: Embedd
 
     versions = [state_ver()]
     for _ in range(2):
-        r = await _cycles(server.url, "replay", 1, 40)
+        r, recording = await _cycles(server.url, "replay", 1, 40)
+        r.update(recording.replay(server.url))
+        recording.close()
         versions.append(state_ver())
         # One node sends one call at a time: the replay meets exactly the states the
         # run met, so every call gets the status it got then.
