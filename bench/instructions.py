@@ -17,10 +17,11 @@ interns and collects), against 2-4x for µs on this machine from one day to the 
 
 Workloads (`--instances` each):
 - request: one node's proxied requests, as bench/scaling.py section 1 makes them:
-  `reserve`, its first-token mark and (8 requests later) its release, which ride on
-  the node's next `reserve`;
+  `reserve`, its first-token mark and (512 requests later: the pool holds 512 in
+  flight) its release, which ride on the node's next `reserve`;
 - request, 64 nodes: the same cycles from 64 nodes at once (one process, each node
-  its own connection, view and lease, as bench/scaling.py section 1 runs them): its
+  its own connection, view and lease, and 8 of the 512 in flight, as bench/scaling.py
+  section 1 runs them): its
   ratio to `request` is the busy shard's flatness in nodes (issue 12), in
   instructions, where the replayed µs of bench/scaling.py move from run to run;
 - index follow-up / index new prompt: the prefix index's lookup (one HMGET) and
@@ -54,8 +55,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 FLEET = 64  # nodes of the "request, 64 nodes" workload
 WORKLOADS = ("request", f"request, {FLEET} nodes", "index follow-up", "index new prompt")
-WARMUP = 20  # request cycles before the recording starts (a steady state of live ones)
-LIVE = 8  # live reservations per node, as bench/scaling.py keeps them
+# Reservations in flight in the pool while a request workload records, whatever its
+# node count (each node its share), as bench/scaling.py holds them: more nodes carry
+# the same load, not more of it.
+IN_FLIGHT = 512
+WARMUP = 20  # request cycles past a node's share before the recording starts
 INDEX_TOKENS = 100_000  # each instance's prefix index, filled before recording
 BLOCKS, ADDED = 30, 2  # a conversation's blocks; the blocks a follow-up turn adds
 TOGGLE = "processCommand"  # callgrind counts only inside this server function
@@ -238,17 +242,18 @@ async def _record(workload: str, url: str, instances: int, requests: int) -> dic
                 log.attach(fleet[-1])
                 await fleet[-1].refresh()
             lives: list[list[str]] = [[] for _ in fleet]
+            share = max(1, IN_FLIGHT // nodes)
 
             async def cycles(node: Any, live: list[str], n: int) -> None:
                 for _ in range(n):
                     res = await node.reserve(512, 128)
                     node.first_token_soon(res.rid)
                     live.append(res.rid)
-                    if len(live) > LIVE:
+                    if len(live) > share:
                         node.release_soon(live.pop(0))
 
             await asyncio.gather(
-                *(cycles(n, live, WARMUP) for n, live in zip(fleet, lives, strict=True))
+                *(cycles(n, live, share + WARMUP) for n, live in zip(fleet, lives, strict=True))
             )
             start = pool_keys(sync, pool)
             log.on = True

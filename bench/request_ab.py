@@ -29,7 +29,7 @@ from local_fleet.embedded import EmbeddedRedis  # noqa: E402
 
 # Runs in a child whose code is one tree (argv[1]).
 RUNNER = """
-import asyncio, json, sys
+import asyncio, inspect, json, sys
 sys.path.insert(0, sys.argv[1])
 from bench.decision_overhead import run_case
 from bench.scaling import PREFIX, _cycles, register_pool
@@ -38,7 +38,9 @@ url, n, decisions, cycles = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int
 out = run_case(url, n, 1, decisions, 500)
 pool = f"ab-{n}"
 register_pool(url, pool, n)
-got = asyncio.run(_cycles(url, pool, 1, cycles))
+# The load in flight that trees from before it was a parameter kept for one node: 8.
+light = {"in_flight": 8} if "in_flight" in inspect.signature(_cycles).parameters else {}
+got = asyncio.run(_cycles(url, pool, 1, cycles, **light))
 if isinstance(got, tuple):  # the run and its recording, replayed here
     got, recording = got
     got.update(recording.replay(url))

@@ -13,7 +13,9 @@ request's call cuts the real reserve script where it says, and counts its comman
 from __future__ import annotations
 
 import itertools
+import json
 import math
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -87,7 +89,7 @@ async def test_cycle_replay_repeats_the_run_and_restores_the_pool(server: Embedd
 
     versions = [state_ver()]
     for _ in range(2):
-        r, recording = await _cycles(server.url, "replay", 1, 40)
+        r, recording = await _cycles(server.url, "replay", 1, 40, in_flight=8)
         r.update(recording.replay(server.url))
         recording.close()
         versions.append(state_ver())
@@ -101,10 +103,31 @@ async def test_cycle_replay_repeats_the_run_and_restores_the_pool(server: Embedd
         # A lone node's view is current: every reserve took a candidate it ranked best,
         # and the replay timed each (SLOWLOG).
         assert r["walked_share"] == 0.0 and r["first_us"] > 0
-    # Each run changed `state` three times per request (reserve, first token, release)
-    # and its replay counted none twice: the pool ends as the nodes left it.
-    assert [b - a for a, b in itertools.pairwise(versions)] == [3 * 40, 3 * 40]
+    # Each run changed `state` three times per request (reserve, first token, release),
+    # the 8 held in flight around the measured 40 included, and its replay counted none
+    # twice: the pool ends as the nodes left it, empty.
+    assert [b - a for a, b in itertools.pairwise(versions)] == [3 * 48, 3 * 48]
     assert client.hlen(PoolKeys(Settings().key_prefix, "replay").column("reservations")) == 0
+    client.close()
+
+
+async def test_cycles_hold_the_same_load_in_flight_whatever_the_node_count(
+    server: EmbeddedRedis,
+) -> None:
+    """The measured calls start from a pool holding `in_flight` reservations, each node
+    its share, and every measured request releases one: the pool ends as it began."""
+    register_pool(server.url, "flight", 8)
+    keys = PoolKeys(Settings().key_prefix, "flight")
+    client = Redis.from_url(server.url, decode_responses=True)
+    for nodes in (1, 4):
+        _, recording = await _cycles(server.url, "flight", nodes, 40, in_flight=16)
+        recording.start.restore()
+        held = client.hvals(keys.column("reservations"))
+        assert len(held) == 16
+        assert sorted(set(Counter(json.loads(h)["node"] for h in held).values())) == [16 // nodes]
+        recording.end.restore()
+        assert client.hlen(keys.column("reservations")) == 0
+        recording.close()
     client.close()
 
 
