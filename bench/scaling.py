@@ -451,59 +451,58 @@ def measure_cycles(url: str, quick: bool) -> tuple[list[dict[str, Any]], list[di
     reps = 1 if quick else 3
     cycles = 600 if quick else 3000
     rounds = 1 if quick else REPLAY_ROUNDS
-    runs: dict[tuple[int, int], list[dict[str, float]]] = {}
-    recordings: dict[tuple[int, int, int], Recording] = {}
-    # The light cells are keyed by node count 0 below, and reported apart.
-    counts = (*NODE_COUNTS, 0)
+    # (nodes, in flight) of every cell: the node counts at IN_FLIGHT, then the light one.
+    cells = [*((n, IN_FLIGHT) for n in NODE_COUNTS), (1, LIGHT_IN_FLIGHT)]
+    runs: dict[tuple[int, int, int], list[dict[str, float]]] = {}
+    recordings: dict[tuple[int, int, int, int], Recording] = {}
     for instances in SIZES:
         register_pool(url, f"cycle-{instances}", instances)
     # Repetitions outermost, cells interleaved: noise from the shared machine lands on
     # every cell alike instead of on whichever ran during a burst.
     for rep in range(reps):
         for instances in SIZES:
-            for nodes in counts:
-                in_flight = IN_FLIGHT if nodes else LIGHT_IN_FLIGHT
-                r, recordings[(instances, nodes, rep)] = asyncio.run(
-                    _cycles(url, f"cycle-{instances}", max(1, nodes), cycles, in_flight)
+            for nodes, in_flight in cells:
+                r, recordings[(instances, nodes, in_flight, rep)] = asyncio.run(
+                    _cycles(url, f"cycle-{instances}", nodes, cycles, in_flight)
                 )
-                runs.setdefault((instances, nodes), []).append(r)
+                runs.setdefault((instances, nodes, in_flight), []).append(r)
                 print(
                     f"  cycles rep {rep + 1}/{reps}: {instances:5d} instances, "
-                    f"{max(1, nodes):3d} nodes, {in_flight} in flight: "
+                    f"{nodes:3d} nodes, {in_flight} in flight: "
                     f"{r['cpu_us_per_req']:.0f} us CPU, {r['usec_per_req']:.0f} us EVALSHA, "
                     f"{r['calls_per_req']:.2f} calls, {r['bytes_per_req']:,.0f} B out per request",
                     flush=True,
                 )
     for instances in SIZES:
         for rep in range(reps):
-            replayed: dict[int, list[dict[str, float]]] = {}
+            replayed: dict[tuple[int, int], list[dict[str, float]]] = {}
             for _ in range(rounds):
-                for nodes in counts:
-                    one = recordings[(instances, nodes, rep)].replay(url)
-                    replayed.setdefault(nodes, []).append(one)
-            for nodes in counts:
-                runs[(instances, nodes)][rep].update(median_of(replayed[nodes]))
-                recordings[(instances, nodes, rep)].close()
+                for c in cells:
+                    one = recordings[(instances, *c, rep)].replay(url)
+                    replayed.setdefault(c, []).append(one)
+            for c in cells:
+                runs[(instances, *c)][rep].update(median_of(replayed[c]))
+                recordings[(instances, *c, rep)].close()
             print(
                 f"  replayed rep {rep + 1}/{reps}: {instances:5d} instances: "
                 + ", ".join(
-                    f"{n} nodes {runs[(instances, n)][rep]['busy_cpu_us_per_req']:.0f} us"
-                    for n in NODE_COUNTS
+                    f"{n} nodes with {f} in flight "
+                    f"{runs[(instances, n, f)][rep]['busy_cpu_us_per_req']:.0f} us"
+                    for n, f in cells
                 )
-                + f" CPU per request (median of {rounds}); 1 node with {LIGHT_IN_FLIGHT} in "
-                f"flight {runs[(instances, 0)][rep]['busy_cpu_us_per_req']:.0f} us",
+                + f" CPU per request (median of {rounds})",
                 flush=True,
             )
         delete_pool(url, f"cycle-{instances}", PREFIX)
     out: list[dict[str, Any]] = []
     light: list[dict[str, Any]] = []
-    for (instances, nodes), cell in runs.items():
+    for (instances, nodes, in_flight), cell in runs.items():
         m: dict[str, Any] = median_of(cell)
-        m.update(instances=instances, nodes=max(1, nodes), reps=len(cell), replay_rounds=rounds)
-        m["in_flight"] = IN_FLIGHT if nodes else LIGHT_IN_FLIGHT
+        m.update(instances=instances, nodes=nodes, reps=len(cell), replay_rounds=rounds)
+        m["in_flight"] = in_flight
         m["cpu_all"] = [r["cpu_us_per_req"] for r in cell]
         m["busy_all"] = [r["busy_cpu_us_per_req"] for r in cell]
-        (out if nodes else light).append(m)
+        (out if in_flight == IN_FLIGHT else light).append(m)
     return out, light
 
 
