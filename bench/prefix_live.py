@@ -4,10 +4,11 @@
   default configuration (affinity on) and whose mock engines keep a prefix cache:
   how often a follow-up turn lands on its previous turn's instance, and how evenly
   the instances are loaded.
-- `redis_cost`: Redis CPU per request of the prefix index (the decision's `HMGET`
-  and `record_prefix`), from `INFO commandstats` of a private server whose index is
-  full, at several pool sizes; and the same commands replayed in pipelines (a busy
-  shard, which never idles between calls).
+- `redis_cost`: Redis CPU per request of the prefix index (the decision's `HMGET`,
+  and the record that rides along with the node's next call), from `INFO
+  commandstats` of a private server whose index is full, at several pool sizes; and
+  the same commands replayed in pipelines (a busy shard, which never idles between
+  calls).
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ class CostResult:
     instances: int
     case: str  # what the requests are
     lookup_us: float  # one lookup: an HMGET of the blocks and one of their owners' counts
-    record_us: float  # one record: record_prefix, and a share of sampled reclaims
+    record_us: float  # one record: what carrying it adds to a call, and a share of
+    # sampled reclaims
     records_per_request: float  # a request whose blocks were all held records nothing
     cpu_us: float = float("nan")  # server main-thread CPU per request (lookup and record,
     # network included): what a preempted server's wall-clock usec_per_call leaves out
@@ -217,7 +219,7 @@ async def replayed_cpu_us(
     DUMPed): the same work without a wait for each reply, as a busy shard does it.
     The median of `repeats` replays, each from `start` (a replay of a thousand
     requests takes a few ms of CPU, which the kernel counts in ticks). The pool ends
-    as the first run left it, but for the seconds `record_prefix` stamps."""
+    as the first run left it, but for the seconds the records stamp."""
     found = [k async for k in redis.scan_iter(match=pattern, count=1000)]
     runs = []
     for _ in range(repeats):
@@ -251,7 +253,6 @@ async def redis_cost(
     requests: int = 1000,
     capacity_tokens: int = 100_000,
     seed: int = 0,
-    record_script: str | None = None,
     chunk: int = 100,
 ) -> list[CostResult]:
     """Fill every instance's index to capacity with `blocks`-block conversations, then
@@ -259,28 +260,27 @@ async def redis_cost(
     chose, for follow-up turns (`added` new blocks on a held conversation, sent to
     its holder) and for new prompts (`blocks` blocks nobody holds).
 
-    `record_script` is another text of lua/record_prefix.lua to run instead (the
-    prelude it uses is prepended), to compare two versions side by side. The lookup
-    is timed in a pass of its own over the same requests: the script's own HMGETs
-    count in the same `INFO commandstats` row. Each figure is the median over chunks
-    of `chunk` requests, so that a moment the server is descheduled on a busy machine
-    moves one chunk, not the result. The lookups and records of each case are then
-    sent again in pipelines from the state they started from (`replayed_cpu_us`).
+    A record rides along with the node's next call (`reserve`, or `carry` when none
+    comes: coordinator/held_records.py), so its cost is what carrying it adds to a
+    call the node makes anyway: each record goes in a `carry` call of its own, and the
+    same number of empty `carry` calls, timed in a pass of their own, is taken off.
+    (A tree from before records rode along sends its `record_prefix` script: its whole
+    cost counts.) The lookup is timed in a pass of its own over the same requests.
+    Each figure is the median over chunks of `chunk` requests, so that a moment the
+    server is descheduled on a busy machine moves one chunk, not the result. The
+    lookups and records of each case, and the empty calls, are then sent again in
+    pipelines from the state they started from (`replayed_cpu_us`).
     """
     pool = f"cost-{instances}-{random.Random(seed).getrandbits(32):08x}"
-    settings = Settings(prefix_cache_tokens=capacity_tokens)
+    # carry_ms 0: a record goes at once, in a call of its own
+    settings = Settings(prefix_cache_tokens=capacity_tokens, carry_ms=0)
     chars = settings.prefix_block_chars
     redis = Redis.from_url(redis_url)
     log = CommandLog(redis)
     coordinator = Coordinator(redis, pool=pool, node_id="cost", settings=settings)
+    carried = hasattr(coordinator, "hold_record")  # records ride along (this design)
     pattern = coordinator.keys.pattern()
     prefix = coordinator.prefix
-    if record_script is not None:
-        from coordinator.scripts import with_prelude
-
-        coordinator.scripts.by_name["record_prefix"] = redis.register_script(
-            with_prelude(record_script)
-        )
     key = salt_key(pool, "")
     out = []
     try:
@@ -291,9 +291,12 @@ async def redis_cost(
         await coordinator.refresh()
         held_each = capacity_tokens // prefix.block_tokens // blocks
         for i in range(instances):
-            for k in range(held_each):
-                text = _held_text(i, k, blocks, chars)
-                await prefix.record(f"i{i}", block_hashes(text, key, chars, blocks))
+            await asyncio.gather(
+                *(
+                    prefix.record(f"i{i}", block_hashes(_held_text(i, k, blocks, chars), key, chars, blocks))
+                    for k in range(held_each)
+                )
+            )  # fmt: skip
         rng = random.Random(seed)
         fresh = held_each
         for case in (
@@ -312,6 +315,7 @@ async def redis_cost(
                 batch.append((f"i{i}", block_hashes(text, key, chars, size)))
             lookups, records, cpus, calls = [], [], [], 0
             start_state, log.commands = await _dump(redis, pattern), []
+            empty: list[tuple[Any, ...]] = []  # the empty calls' commands
             for start in range(0, requests, chunk):
                 part = batch[start : start + chunk]
                 await redis.config_resetstat()
@@ -319,6 +323,9 @@ async def redis_cost(
                     await prefix.cached_tokens(hashes)
                 # plain commands only (an HMGET or two): the server's time in all of them
                 lookups.append(_usec(await redis.info("commandstats")) / len(part))
+                floor_us, floor_cpu = 0.0, 0.0
+                if carried:
+                    floor_us, floor_cpu = await _empty_calls(coordinator, len(part), log, empty)
                 await redis.config_resetstat()
                 cpu = await _cpu_s(redis)
                 log.on = True
@@ -326,19 +333,21 @@ async def redis_cost(
                     found = await prefix.cached_tokens(hashes)
                     await prefix.record(iid, hashes, found.get(iid, 0))
                 log.on = False
-                cpus.append((await _cpu_s(redis) - cpu) * 1e6 / len(part))
+                cpus.append((await _cpu_s(redis) - cpu) * 1e6 / len(part) - floor_cpu)
                 stats = await redis.info("commandstats")
-                # The record script's time, its own commands' included (as an earlier
-                # version's record script), and that of the commands only sampled
+                # The record's call (less an empty one's), and the commands only sampled
                 # reclaims send. Their HMGETs and HSETs (one record in 16) share rows
-                # with the lookups' and the script's and are left out here;
-                # bench/instructions.py counts everything.
+                # with the lookups' and are left out here; bench/instructions.py counts
+                # everything.
                 if "cmdstat_evalsha" in stats:
                     evalsha = stats["cmdstat_evalsha"]
                     reclaim = sum(float(stats[row]["usec"]) for row in RECLAIM_ROWS if row in stats)
-                    records.append((float(evalsha["usec"]) + reclaim) / int(evalsha["calls"]))
+                    per_call = (float(evalsha["usec"]) + reclaim) / int(evalsha["calls"])
+                    records.append(per_call - floor_us)
                     calls += int(evalsha["calls"])
             replayed = await replayed_cpu_us(redis, pattern, start_state, log.commands, requests)
+            if empty:
+                replayed -= await replayed_cpu_us(redis, pattern, start_state, empty, requests)
             out.append(
                 CostResult(
                     instances,
@@ -356,3 +365,24 @@ async def redis_cost(
             await redis.delete(*keys)
         await redis.aclose()
     return out
+
+
+async def _empty_calls(
+    coordinator: Any, n: int, log: CommandLog, commands: list[tuple[Any, ...]]
+) -> tuple[float, float]:
+    """Send `n` `carry` calls that carry nothing, one at a time as records go: the
+    call a record rides on, which the node makes anyway. Returns the server's time in
+    one (commandstats µs) and its main-thread CPU per call (µs); their commands are
+    added to `commands`."""
+    redis = coordinator.redis
+    await redis.config_resetstat()
+    cpu = await _cpu_s(redis)
+    logged, log.commands, log.on = log.commands, [], True
+    for _ in range(n):
+        await coordinator._call("carry", [0], (coordinator._node_rids,))
+    log.on = False
+    commands += log.commands
+    log.commands = logged
+    cpu_us = (await _cpu_s(redis) - cpu) * 1e6 / n
+    evalsha = (await redis.info("commandstats"))["cmdstat_evalsha"]
+    return float(evalsha["usec"]) / int(evalsha["calls"]), cpu_us

@@ -698,7 +698,7 @@ def request_call_args() -> int:
 # Where reserve.lua is cut to time its parts: after its arguments are read and its
 # walk order is set, and after its decision (before anything is written).
 RESERVE_CUTS = (
-    ("args", "local m, err = 0, nil"),
+    ("args", "local m, records = 0, {}"),
     ("decided", "-- Then write: the carried transitions first"),
 )
 

@@ -42,6 +42,7 @@ from coordinator.errors import (
 )
 from coordinator.fastrank import ColumnarPool
 from coordinator.guard import guard_bounds
+from coordinator.held_records import HeldRecords, failed, record_args, settled
 from coordinator.keys import COLUMNS, ID_RE, POOL_NAME_RE, PoolKeys
 from coordinator.models import (
     HINT_NAMES,
@@ -57,7 +58,7 @@ from coordinator.packed import NO_SLOT, as_text, pack_candidate
 from coordinator.prefix import cheap_copy_tokens, guarded_cached_tokens, idle_fleet_room
 from coordinator.prefix_index import PrefixIndex
 from coordinator.pressure import instance_load
-from coordinator.scripts import OWN_KEYS, Scripts
+from coordinator.scripts import Scripts
 from coordinator.settings import STRATEGIES, Settings
 from coordinator.snapshot import PoolCache, Snapshot
 from coordinator.strategies import Ranking, RoundRobin, Score, crowded_last, eligible, rank
@@ -195,6 +196,7 @@ class Coordinator:
         # them per call was a measurable share of the decision cost.
         self._columns = [key.encode() for key in self.keys.columns]
         self._node_rids = self.keys.node_rids(node_id).encode()
+        self._prefix_key = self.keys.prefix_index().encode()
         self._cache = self._new_cache()
         self.observations = Observations()  # timing samples not yet merged into Redis
         self._live_nodes = 1  # nodes with a lease, as the last merge or read counted them
@@ -208,6 +210,7 @@ class Coordinator:
         # first_token_soon/release_soon held for the next reserve: (op, rid, held),
         # op 'f' or 'r'; `held` is the local reservation a release dropped.
         self._carry: list[tuple[str, str, LocalReservation | None]] = []
+        self._records = HeldRecords()  # prefix records, which ride along the same way
         self._carry_flush: asyncio.Task[None] | None = None
         # One decision at a time per node: concurrent decisions of one node would all
         # rank on the same view and pick the same instance (herding within a node).
@@ -233,7 +236,7 @@ class Coordinator:
             redis,
             self.keys,
             self.settings,
-            self._call,
+            self.hold_record,
             self._epoch_of,
             self._prefix_capacity,
             lambda: self._degraded,
@@ -731,21 +734,24 @@ class Coordinator:
                     ),
                 ]
             carried = self._take_carried(rid)
-            if self._carry:
+            records = self._records.take()
+            if self._carry or self._records:
                 self._schedule_carry()  # the rest go in carry calls of their own
             args.append(len(carried))
             for op, held_rid, _ in carried:
                 args += [op, held_rid]
+            args += record_args(records)
             issued = self._cache.state_ver  # the version view_token named
             try:
-                reply = await self._call("reserve", args, (self._node_rids,))
-            except BaseException:
+                reply = await self._call("reserve", args, self._carry_keys(records))
+            except BaseException as exc:
                 self._carry[:0] = carried  # not known to have arrived: send them again
                 if carried:
                     self._schedule_carry()
+                failed(records, exc)  # not known to be recorded: the index is approximate
                 raise
             status = str(reply[0])
-            current = self._apply(reply[-1], issued, reply[-2])
+            current = self._apply(reply[-1], issued, self._settle(reply[-2], carried, records))
             if status in ("ok", "dup"):
                 self._leased = True
                 if force:
@@ -1002,24 +1008,52 @@ class Coordinator:
         self._hold("r", rid, self._release_locally(rid))
 
     async def flush_carried(self) -> None:
-        """Send every held mark and release now, in calls of at most CARRY_STEP."""
-        while self._carry:
+        """Send every held mark, release and prefix record now, in calls of at most
+        CARRY_STEP transitions and RECORD_STEP records."""
+        while self._carry or self._records:
             held = self._take_carried()
+            records = self._records.take()
             args: list[Any] = [len(held)]
             for op, rid, _ in held:
                 args += [op, rid]
+            args += record_args(records)
             self.stats.carry_calls += 1
             try:
-                reply = await self._call("carry", args, (self._node_rids,))
-            except CoordinationUnavailableError:
+                reply = await self._call("carry", args, self._carry_keys(records))
+            except CoordinationUnavailableError as exc:
                 for op, rid, res in held:  # as release() does when Redis is away
                     if op == "r" and (res is None or res.in_redis):
                         self._pending_releases.add(rid)
+                failed(records, exc)
                 continue
-            except Exception:  # a refused call: these are not sent again
+            except BaseException as exc:  # a refused call: these are not sent again
+                failed(records, exc)
+                if not isinstance(exc, Exception):
+                    raise
                 log.exception("sending %d held marks and releases failed", len(held))
                 continue
-            self._apply_carried(reply)
+            self._apply_carried(self._settle(reply, held, records))
+
+    def hold_record(self, stem: str, max_owners: int, pairs: Sequence[Any]) -> Awaitable[int]:
+        """Hold a prefix record (PrefixIndex.record) for this node's next reserve, or a
+        carry call after `carry_ms`; the result is the instance's count after it."""
+        if self._degraded:
+            raise CoordinationUnavailableError("coordination is degraded")
+        count = self._records.hold(stem, max_owners, pairs)
+        self._schedule_carry()
+        return count
+
+    def _carry_keys(self, records: Sequence[Any]) -> tuple[bytes, ...]:
+        """The keys a reserve or carry call takes after the pool's."""
+        return (self._node_rids, self._prefix_key) if records else (self._node_rids,)
+
+    @staticmethod
+    def _settle(replies: Sequence[Any], carried: Sequence[Any], records: Sequence[Any]) -> Any:
+        """The carried transitions' replies; the records' counts after them go to their
+        holders."""
+        cut = 4 * len(carried)
+        settled(records, replies[cut:])
+        return replies[:cut]
 
     def _take_carried(
         self, rid: str | None = None
@@ -1166,6 +1200,7 @@ class Coordinator:
         self._local.clear()
         self._pending_releases.clear()
         self._carry.clear()  # what they would release, the reap below releases
+        self._records.drop(CoordinationUnavailableError("the node left the pool"))
         with suppress(CoordinationUnavailableError):
             return await self.reap_node(self.node_id, force=True)
         return 0
@@ -1553,7 +1588,7 @@ class Coordinator:
         script = self.scripts[name]
         if name == "register":  # a new id continues above its prefix entries' epoch
             extra = (self.keys.prefix_index(),)
-        keys = list(extra) if name in OWN_KEYS else [*self._columns, *extra]
+        keys = [*self._columns, *extra]
         run = self._read_state if name == "read_state" else script
         try:
             for _ in range(NOSCRIPT_RETRIES):

@@ -88,7 +88,7 @@ class PoolKeys:
 
     def legacy_prefix_keys(self) -> tuple[str, str]:
         """The prefix index as earlier versions kept it (an owners hash and an LRU zset):
-        read by nothing, unlinked by the next sampled record (lua/record_prefix.lua)."""
+        read by nothing, unlinked by the next sampled reclaim (coordinator/prefix_index.py)."""
         return f"{self.stem}:prefix_owners", f"{self.stem}:prefix_lru"
 
     def timing(self) -> str:

@@ -12,10 +12,12 @@ state, the index costs two round trips of small work, whatever the pool's size:
   move 1/32 of the capacity on at the rate it grew, 0.1-10 s), and reads the
   others in one more HMGET. The
   epochs and capacities come from the node's own snapshot cache.
-- after the choice (off the request's path), one `record_prefix` call (an HMGET of the
-  instance's count and the blocks it records, and an HSET): an entry every
-  `prefix_record_stride` blocks and at the prompt's last block only (see
-  `recorded_entries`), a few fields per request.
+- after the choice (off the request's path), one record (an HMGET of the instance's
+  count and the blocks it records, and an HSET, in Lua: lua/_lib.lua record_prefix):
+  an entry every `prefix_record_stride` blocks and at the prompt's last block only
+  (see `recorded_entries`), a few fields per request. It rides along with the node's
+  next `reserve`, or a `carry` call after `carry_ms` (coordinator/held_records.py):
+  no round trip of its own.
 - one record in `SAMPLE_EVERY` also reclaims the invalid entries among random fields
   (plain commands, three round trips: see `_reclaim`).
 
@@ -27,7 +29,8 @@ request.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import suppress
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -64,7 +67,9 @@ SAMPLE_EVERY = 16  # one record in this many also reclaims invalid entries
 # sample reclaims the invalid share of what it reads).
 SAMPLE_PER_ENTRY = 2 * SAMPLE_EVERY
 MAX_SAMPLE = 1024  # fields one record samples, at most
-CallScript = Callable[[str, list[Any], tuple[str | bytes, ...]], Any]
+# Holds a record (stem, max_owners, flat block hash and weight pairs) for the node's
+# next call: Coordinator.hold_record.
+HoldRecord = Callable[[str, int, Sequence[Any]], Awaitable[int]]
 # What a failed index read or write can raise: affinity then waits for Redis. A value
 # that is not UTF-8 (no node writes one) fails the client's decoding: the request goes
 # without credit, and its record rewrites the value (record_prefix keeps only entries).
@@ -79,7 +84,7 @@ class PrefixIndex:
         redis: Any,
         keys: PoolKeys,
         settings: Settings,
-        call: CallScript,
+        hold_record: HoldRecord,
         epoch_of: Callable[[str], int | None],
         capacity_tokens: Callable[[str], int | None],
         degraded: Callable[[], bool],
@@ -87,7 +92,7 @@ class PrefixIndex:
     ) -> None:
         self._redis = redis
         self._settings = settings
-        self._call = call
+        self._hold_record = hold_record
         self._epoch_of = epoch_of
         self._capacity_tokens = capacity_tokens
         self._degraded = degraded
@@ -211,17 +216,18 @@ class PrefixIndex:
         held = held_tokens // self.block_tokens
         entries = recorded_entries(len(hashes), held, self._settings.prefix_record_stride)
         head = stem(instance_id, epoch)
-        args: list[Any] = [head, self._settings.prefix_max_owners]
+        pairs: list[Any] = []
         for position, weight in entries:
-            args += [hashes[position - 1], weight]
+            pairs += [hashes[position - 1], weight]
         self._records += 1
         try:
-            count = await self._call("record_prefix", args, (self._index,))
-            self.seen.note(head, int(count), time.monotonic() * 1000)
-            if self._records % SAMPLE_EVERY == 1:
+            count = await self._hold_record(head, self._settings.prefix_max_owners, pairs)
+        except Exception:  # the call that carried it reports its own failure
+            return  # not known to be recorded: the index is approximate anyway
+        self.seen.note(head, count, time.monotonic() * 1000)
+        if self._records % SAMPLE_EVERY == 1:
+            with suppress(CoordinationUnavailableError, *FAILURES):  # reclaimed later
                 await self._reclaim(min(MAX_SAMPLE, SAMPLE_PER_ENTRY * len(entries)))
-        except (CoordinationUnavailableError, *FAILURES):
-            pass  # nothing recorded (or reclaimed): the index is approximate anyway
 
     async def _reclaim(self, sample: int) -> None:
         """Reclaim the invalid entries among `sample` random fields of the index, and

@@ -30,13 +30,8 @@ SCRIPT_NAMES = (
     "record_outcome",
     "read_outliers",
     "store_hints",
-    "record_prefix",
     "merge_timing",
 )
-
-# Scripts given only their own keys, not the pool keys every other script takes first
-# (lua/_lib.lua): record_prefix runs once per request and reads none of them.
-OWN_KEYS = frozenset({"record_prefix"})
 
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # A top-level `local` statement of the prelude: a function or a list of names.

@@ -1,13 +1,13 @@
 """Prefix-aware routing in the simulator: the node's shared index, and baselines.
 
-`SharedPrefixIndex` is the node's index (lua/record_prefix.lua, coordinator/prefix.py)
+`SharedPrefixIndex` is the node's index (lua/_lib.lua record_prefix, coordinator/prefix.py)
 in memory: per instance an LRU of block ids bounded by the instance's capacity (a
 prompt's blocks queued tail first), each block remembering its `max_owners` most
 recent instances; a node refreshes the deepest block the instance held and adds an
 entry every `stride` blocks after it and at the last one, each weighing the blocks
 since the previous entry (the capacity counts weights), and a lookup credits each
 instance with the deepest block it holds (noting where that entry is one a recorded
-prompt went on past, as lua/record_prefix.lua marks it with '+').
+prompt went on past, as lua/_lib.lua record_prefix marks it with '+').
 tests/benchmarks/test_sim_prefix.py checks it against the real index on a server.
 
 Baselines (each one node's choice from the same shared information):
@@ -37,7 +37,7 @@ from coordinator.prefix_index import recorded_entries
 
 
 class SharedPrefixIndex:
-    """The fleet's approximate prefix index (lua/record_prefix.lua), in memory."""
+    """The fleet's approximate prefix index (lua/_lib.lua record_prefix), in memory."""
 
     def __init__(self, capacity_blocks: int, max_owners: int = 8, stride: int = 1) -> None:
         self.capacity_blocks = capacity_blocks

@@ -535,11 +535,65 @@ end
 -- (32), so a call's work stays bounded (20-50 µs of Redis time each).
 local MAX_CARRIED = 64
 
+-- Prefix records one call may carry (coordinator/coordinator.py RECORD_STEP: 8).
+local MAX_RECORDS = 16
+
+-- The prefix records in ARGV[at ..], checked for record_prefix (below), or
+-- nil and an error reply. ARGV[at] = r, then r records, each: '<id>#<epoch>' (an
+-- instance id, its epoch as the node's view has it), max_owners (instances kept per
+-- block, 1..64), k (1..512), then k pairs {block hash (1..64 chars of [0-9a-f]),
+-- weight (the blocks it adds, 0..512; 0 = a refresh of a block the instance holds)},
+-- in prompt order, the last one the prompt's last block. They need KEYS[18] =
+-- {pool}:prefix_index, and must be the last arguments.
+local function carried_records(at)
+  local r = int_arg(ARGV[at], MAX_RECORDS)
+  if r == nil then return nil, fail('bad_arg', 'records: expected r in 0..16') end
+  if r > 0 and not KEYS[18] then
+    return nil, fail('bad_arg', 'records need KEYS[18], the prefix index')
+  end
+  local records, i = {}, at + 1
+  for j = 1, r do
+    local stem = ARGV[i]
+    local id, epoch = string.match(stem or '', '^(.+)#(%d+)$')
+    if not id or not valid_id(id) then
+      return nil, fail('bad_arg', 'record ' .. j .. ': expected <id>#<epoch>')
+    end
+    local max_owners = int_arg(ARGV[i + 1], 64)
+    if max_owners == nil or max_owners < 1 then
+      return nil, fail('bad_arg', 'record ' .. j .. ': max_owners in 1..64')
+    end
+    local k = int_arg(ARGV[i + 2], 512)
+    if k == nil or k < 1 or #ARGV < i + 2 + 2 * k then
+      return nil, fail('bad_arg', 'record ' .. j .. ': 1..512 pairs of block hash and weight')
+    end
+    local fields, weights, added = {stem}, {}, 0  -- the count, then the blocks
+    for p = 1, k do
+      local hash = ARGV[i + 1 + 2 * p]
+      if #hash < 1 or #hash > 64 then
+        return nil, fail('bad_arg', 'record ' .. j .. ': block hash ' .. p)
+      end
+      fields[p + 1] = hash
+      weights[p] = int_arg(ARGV[i + 2 + 2 * p], 512)
+      if weights[p] == nil then return nil, fail('bad_arg', 'record ' .. j .. ': weight ' .. p) end
+      added = added + weights[p]
+    end
+    if not string.find(table.concat(fields, '', 2), '^[0-9a-f]*$') then  -- one match for all
+      return nil, fail('bad_arg', 'record ' .. j .. ': block hashes are [0-9a-f]+')
+    end
+    records[j] = {id = id, epoch = epoch, stem = stem, max_owners = max_owners,
+      fields = fields, weights = weights, added = added}
+    i = i + 3 + 2 * k
+  end
+  if i ~= #ARGV + 1 then return nil, fail('bad_arg', 'records: arguments left over') end
+  return records
+end
+
 -- The number of transitions in ARGV[from ..] (ARGV[from] = m, then m pairs
--- {'f' (first token) | 'r' (release), rid}), or nil and an error reply.
+-- {'f' (first token) | 'r' (release), rid}), and the prefix records after them (none
+-- when the arguments end there; carried_records); or nil and an error reply.
 local function carried_count(from)
   local m = int_arg(ARGV[from], MAX_CARRIED)
-  if m == nil or #ARGV ~= from + 2 * m then
+  if m == nil or #ARGV < from + 2 * m then
     return nil, fail('bad_arg', 'transitions: expected m >= 0 pairs of {op, rid}')
   end
   for i = 1, m do
@@ -548,13 +602,60 @@ local function carried_count(from)
       return nil, fail('bad_arg', 'transition ' .. i)
     end
   end
-  return m
+  if #ARGV == from + 2 * m then return m, {} end
+  local records, err = carried_records(from + 2 * m + 1)
+  if not records then return nil, err end
+  return m, records
 end
 
--- Apply the m transitions carried_count checked, in order. Returns their replies, one
--- flat list of 4 items each, {status, state_ver, slot, record} (state_ver -1 when no
--- counter moved), and how many changes of `state` they made.
-local function apply_carried(from, m, rids_key, now)
+-- Record a routed request's prefix blocks against the chosen instance, in the prefix
+-- index (coordinator/prefix_entries.py says its format and what it means): the
+-- instance's count grows by the blocks the record adds, which gives its entries their
+-- positions, deepest first; each block's owners get this instance's entry as the
+-- newest (its older one, of any epoch, replaced; anything in the value that is no
+-- entry dropped) and keep at most `max_owners`. The deepest pair is the prompt's last
+-- block; every other entry ends in `inside`, '+' and the Redis time in seconds (the
+-- prompt went on past the block then: another prompt credited there soon after shares
+-- a prefix with it, and is not its next turn). One HMGET and one HSET, the fewest
+-- strings in and out of Lua: this runs once per request. Returns the instance's count
+-- after the record.
+local function record_prefix(index, rec, inside)
+  local unpack = table.unpack or unpack
+  local fields, weights, n = rec.fields, rec.weights, #rec.weights
+  local got = redis.call('HMGET', index, unpack(fields))
+  -- a count that is no number (a hand edit, say) starts again: a missed credit
+  local count = (tonumber(got[1]) or 0) + rec.added
+  local mine, stem = rec.id .. '#', rec.stem
+  local sets = {stem, count, mine, rec.epoch}
+  local position = count - rec.added
+  for i = n, 1, -1 do  -- deepest first
+    position = position + weights[i]
+    local kept, list = '', got[i + 1]
+    if list then
+      local others, k = {}, 0
+      for text in string.gmatch(list, '%S+') do
+        -- another instance's entry (anything else in the value is dropped)
+        if string.sub(text, 1, #mine) ~= mine and (string.find(text, '^[^#|]+#%d+|%d+$')
+            or string.find(text, '^[^#|]+#%d+|%d+%+%d+$')) then
+          k = k + 1
+          others[k] = text
+        end
+      end
+      local first = math.max(1, k - rec.max_owners + 2)  -- room for this entry
+      if first <= k then kept = table.concat(others, ' ', first) .. ' ' end
+    end
+    sets[#sets + 1] = fields[i + 1]
+    sets[#sets + 1] = kept .. stem .. '|' .. position .. (i < n and inside or '')
+  end
+  redis.call('HSET', index, unpack(sets))
+  return count
+end
+
+-- Apply the m transitions carried_count checked, in order, then its prefix records.
+-- Returns their replies, one flat list: 4 items per transition, {status, state_ver,
+-- slot, record} (state_ver -1 when no counter moved), then each record's count; and
+-- how many changes of `state` the transitions made.
+local function apply_carried(from, m, records, rids_key, now)
   local out, bumps = {}, 0
   for i = 1, m do
     local op, rid = ARGV[from + 2 * i - 1], ARGV[from + 2 * i]
@@ -569,6 +670,10 @@ local function apply_carried(from, m, rids_key, now)
     table.insert(out, patch[1])
     table.insert(out, patch[2])
     table.insert(out, patch[3])
+  end
+  if #records > 0 then
+    local inside = '+' .. math.floor(now / 1000)  -- the suffix of entries inside a prompt
+    for j = 1, #records do table.insert(out, record_prefix(KEYS[18], records[j], inside)) end
   end
   return out, bumps
 end

@@ -50,6 +50,9 @@
 --   (which reads the state the caller's view also predates them in) and before its
 --   own writes. A release of ARGV[1] itself (a retry elsewhere under the same rid)
 --   makes the rid new again instead of a 'dup'.
+-- then (optional, after the transitions) r, then r prefix records of earlier requests
+--   (lua/_lib.lua carried_records), applied after the transitions, whatever this call's
+--   status; KEYS[18] = {pool}:prefix_index when r > 0
 -- returns {'ok'|'dup', instance, epoch, predicted_ttft_ms, prefill_ms, decode_ms,
 --          carried, view}
 --       | {'nolease', carried, view}  ARGV[8] = 0 and the node's lease is gone
@@ -61,7 +64,8 @@
 --       | {'none', carried, view}     no candidate is registered and alive
 --   carried = the carried transitions' replies, 4 items each: {status ('ok'|'noop'),
 --     state_ver, slot, record} (mark_first_token's and release's reply; state_ver -1
---     when no counter moved)
+--     when no counter moved), then each carried record's count (the instance's blocks
+--     in the index after it)
 --   view = {run_id, spec_gen, now_ms, state|false, false, state_ver, slot, record}
 --   (read_state's reply without liveness, plus one record):
 --   - 'ok': state is false; `record` is the claimed instance's new record at `slot`,
@@ -226,10 +230,10 @@ local function kept_candidate(i, slot, prefill_ms, decode_ms, pending, decode, f
     state = {pending, decode, free_at, earliest, pending_ms, started}}
 end
 
-local m, err = 0, nil
+local m, records = 0, {}
 if #ARGV > G + 2 * n then
-  m, err = carried_count(G + 2 * n + 1)
-  if m == nil then return err end
+  m, records = carried_count(G + 2 * n + 1)
+  if m == nil then return records end  -- the error reply
 end
 
 -- Decide first, writing nothing (so that a refused call writes nothing).
@@ -316,7 +320,7 @@ if leased or lease_ms > 0 then
 end
 
 -- Then write: the carried transitions first, whatever the status.
-local carried, bumps = apply_carried(G + 2 * n + 1, m, KEYS[17], now)
+local carried, bumps = apply_carried(G + 2 * n + 1, m, records, KEYS[17], now)
 local run = pool_counts().run or run_id(now)
 local spec_gen = pool_counts().spec_gen
 local function view(patch)

@@ -40,7 +40,7 @@ from coordinator.errors import (
 )
 from coordinator.keys import ID_RE
 from coordinator.packed import as_text, pack_candidate
-from coordinator.scripts import OWN_KEYS, SCRIPT_NAMES
+from coordinator.scripts import SCRIPT_NAMES
 from coordinator.timing import add_sample, empty_record, pack
 from tests.helpers import assert_counters_match_reservations, delete_pool
 
@@ -97,8 +97,24 @@ def spec_json(instance_id: str) -> str:
 
 
 # Carried first-token marks and releases: m, then m pairs {op, rid} (lua/carry.lua).
-transitions = st.lists(st.tuples(st.sampled_from(["f", "r"]), rids), max_size=3).map(
-    lambda pairs: [str(len(pairs)), *(x for pair in pairs for x in pair)]
+block_hash = st.text("0123456789abcdef", min_size=1, max_size=16)
+# A prefix record (lua/_lib.lua carried_records): stem, max_owners, k, k pairs.
+record = st.tuples(
+    st.builds(lambda i, e: f"{i}#{e}", st.sampled_from(INSTANCES) | ids, st.integers(0, 9)),
+    st.integers(1, 64).map(str),
+    st.lists(st.tuples(block_hash, st.integers(0, 9).map(str)), min_size=1, max_size=5),
+).map(lambda r: [r[0], r[1], str(len(r[2])), *(x for pair in r[2] for x in pair)])
+# Held marks and releases, then (or not) at most 2 records: a reply's items after the
+# transitions' 4 each are then 1 or 2 counts, never a multiple of 4 (changed_nothing).
+transitions = st.tuples(
+    st.lists(st.tuples(st.sampled_from(["f", "r"]), rids), max_size=3),
+    st.none() | st.lists(record, max_size=2),
+).map(
+    lambda t: [
+        str(len(t[0])),
+        *(x for pair in t[0] for x in pair),
+        *([] if t[1] is None else [str(len(t[1])), *(x for r in t[1] for x in r)]),
+    ]
 )
 
 # Per script: the ARGV positions, each a strategy of valid values (see each header).
@@ -126,10 +142,6 @@ LAYOUTS: dict[str, list[Any]] = {
     ],
     "read_outliers": [],
     "store_hints": [ids, hint, hint, hint],
-    "record_prefix": [
-        st.builds(lambda i, e: f"{i}#{e}", st.sampled_from(INSTANCES) | ids, st.integers(0, 9)),
-        st.integers(1, 64).map(str),
-    ],
     "merge_timing": [
         st.integers(1, 86_400_000).map(str),
         st.floats(0, 100).map(repr),
@@ -139,7 +151,6 @@ LAYOUTS: dict[str, list[Any]] = {
         st.builds(lambda epoch: pack(_timing_batch(epoch)), st.integers(0, 4)),
     ],
 }
-block_hash = st.text("0123456789abcdef", min_size=1, max_size=16)
 
 
 def _timing_batch(epoch: int) -> list[float]:
@@ -218,9 +229,6 @@ def calls(draw: st.DrawFn, name: str) -> Call:
     if name == "carry":
         return draw(mutate(name, draw(transitions)))
     args = [draw(position) for position in LAYOUTS[name]]
-    if name == "record_prefix":
-        for hash_ in draw(st.lists(block_hash, min_size=1, max_size=5)):
-            args += [hash_, draw(st.integers(0, 9).map(str))]
     return draw(mutate(name, args))
 
 
@@ -296,14 +304,14 @@ def extra_keys(c: Coordinator, call: Call) -> list[str]:
     if call.name == "reap_node":
         node = call.args[0] if call.args and isinstance(call.args[0], str) else NODE
         return [c.keys.node_rids(node if ID_RE.match(node) else NODE)]
-    if call.name in ("reserve", "release", "restore", "carry"):
+    if call.name in ("reserve", "carry"):  # and the index records ride into
+        return [c.keys.node_rids(NODE), c.keys.prefix_index()]
+    if call.name in ("release", "restore"):
         return [c.keys.node_rids(NODE)]
     if call.name == "record_outcome":
         return [c.keys.outliers(), c.keys.ejected()]
     if call.name == "read_outliers":
         return [c.keys.outliers()]
-    if call.name == "record_prefix":
-        return [c.keys.prefix_index()]
     if call.name == "merge_timing":
         return [c.keys.timing()]
     if call.name == "register":
@@ -316,10 +324,12 @@ def changed_nothing(name: str, reply: Any) -> bool:
     if name in ("read_state", "read_specs", "read_outliers"):
         return True
     status = reply[0] if isinstance(reply, list) and reply else None
-    if name == "reserve" and any(as_text(s) == "ok" for s in reply[-2][::4]):
-        return False  # a carried transition took place, whatever the reservation did
-    if name == "carry":
-        return all(as_text(s) == "noop" for s in reply[::4])
+    if name == "reserve" and (
+        len(reply[-2]) % 4 or any(as_text(s) == "ok" for s in reply[-2][::4])
+    ):
+        return False  # a carried transition or record took place, whatever the reservation did
+    if name == "carry":  # records' counts follow the transitions' 4 items each
+        return len(reply) % 4 == 0 and all(as_text(s) == "noop" for s in reply[::4])
     return (name, status) in {
         ("mark_first_token", "noop"),
         ("release", "noop"),
@@ -355,9 +365,7 @@ async def check(pool: Pool, call: Call) -> None:
     c = pool.coordinator
     await reset(pool)
     before = await dump(pool)
-    keys = extra_keys(c, call)
-    if call.name not in OWN_KEYS:
-        keys = [*c.keys.columns, *keys]
+    keys = [*c.keys.columns, *extra_keys(c, call)]
     try:
         reply = await c.scripts[call.name](keys=keys, args=call.args)
     except ResponseError as exc:
@@ -393,7 +401,21 @@ BASE_CALLS: dict[str, list[str]] = {
     ],
     "mark_first_token": [PREFILL_RID],
     "release": [PREFILL_RID],
-    "carry": ["2", "f", PREFILL_RID, "r", PREFILL_RID],
+    "carry": [
+        "2",
+        "f",
+        PREFILL_RID,
+        "r",
+        PREFILL_RID,
+        "1",
+        "i0#1",
+        "8",
+        "2",
+        "0a1b",
+        "1",
+        "ff00",
+        "0",
+    ],
     "register": ["i0", spec_json("i0"), "0", "0"],
     "heartbeat": ["i0", "1.5", "", "2"],
     "unregister": ["i1"],
@@ -403,7 +425,6 @@ BASE_CALLS: dict[str, list[str]] = {
     "record_outcome": ["i0", "fail", "1", "10000", "100", "1000", "50", "10000", "status_500"],
     "read_outliers": [],
     "store_hints": ["i0", "1.5", "", "2"],
-    "record_prefix": ["i0#1", "8", "0a1b", "1", "ff00", "0"],
     "merge_timing": ["10000", "4.0", "86400000", "0", "i0", pack(_timing_batch(1))],
 }
 SWEEP_VALUES = [

@@ -1,9 +1,12 @@
-"""The shared prefix index (coordinator/prefix_index.py, lua/record_prefix.lua) against
-the real server and fakeredis (they must agree): lookup, bounds, epochs, privacy."""
+"""The shared prefix index (coordinator/prefix_index.py, lua/_lib.lua record_prefix)
+against the real server and fakeredis (they must agree): lookup, bounds, epochs,
+privacy."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 
 import pytest
 
@@ -11,19 +14,21 @@ from coordinator import Coordinator, ScriptArgumentError
 from coordinator.models import RequestShape
 from coordinator.prefix import CachedTokens
 from coordinator.prefix_entries import COUNT_FRESH_MS
+from coordinator.held_records import RECORD_STEP
 from coordinator.prefix_index import SAMPLE_EVERY, recorded_entries
 from tests.conftest import MakeCoordinator
-from tests.helpers import spec
+from tests.helpers import assert_counters_match_reservations, live_reservations, spec
+from tests.library.test_snapshot_cache import count_calls
 
 BLOCK = 64  # characters per block in these tests
 TOKENS = BLOCK // 4  # tokens one block stands for
 
 
 async def setup(
-    make: MakeCoordinator, n: int = 3, stride: int = 1, **spec_fields: int
+    make: MakeCoordinator, n: int = 3, stride: int = 1, carry_ms: int = 20, **spec_fields: int
 ) -> Coordinator:
     """A node indexing every block (`stride` 1) unless told, and `n` instances."""
-    c = await make("n1", prefix_block_chars=BLOCK, prefix_record_stride=stride)
+    c = await make("n1", prefix_block_chars=BLOCK, prefix_record_stride=stride, carry_ms=carry_ms)
     for i in range(n):
         await c.register_instance(spec(i, **spec_fields))
     await c.refresh()
@@ -168,24 +173,82 @@ async def test_nothing_but_hashes_and_ids_is_stored(make_coordinator: MakeCoordi
     assert values and "hunter2" not in stored and "password" not in stored
 
 
-async def test_bad_arguments_are_refused(make_coordinator: MakeCoordinator) -> None:
+async def test_bad_records_are_refused_and_nothing_is_written(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """A record rides on a `carry` (or `reserve`) call as r, then per record its stem,
+    max_owners, k and k pairs: anything else is refused before the call writes."""
     c = await setup(make_coordinator)
-    keys = (c.keys.prefix_index(),)
-    for args in (
-        ["i0#1", 8, "not-hex", 1],
-        ["i0#1", 8, "ab", 1, "", 1],
-        ["i0#1", 8, "ab cd", 1],
-        ["i0#1", 8, "ab"],  # no weight
-        ["i0#1", 8],  # no block
-        ["i0#1", 8, "ab", 513],
-        ["i0#1", 0, "ab", 1],
-        ["i0", 8, "ab", 1],  # no epoch
-        ["i 0#1", 8, "ab", 1],
-        ["i0#x", 8, "ab", 1],
+    res = await c.reserve(100, 10)
+    keys = (c._node_rids, c.keys.prefix_index())
+    for record in (
+        ["i0#1", 8, 1, "not-hex", 1],
+        ["i0#1", 8, 2, "ab", 1, "", 1],
+        ["i0#1", 8, 1, "ab cd", 1],
+        ["i0#1", 8, 1, "ab"],  # no weight
+        ["i0#1", 8, 0],  # no block
+        ["i0#1", 8, 1, "ab", 513],
+        ["i0#1", 0, 1, "ab", 1],
+        ["i0", 8, 1, "ab", 1],  # no epoch
+        ["i 0#1", 8, 1, "ab", 1],
+        ["i0#x", 8, 1, "ab", 1],
+        ["i0#1", 8, 1, "ab", 1, "extra"],
     ):
         with pytest.raises(ScriptArgumentError):
-            await c._direct_call("record_prefix", list(args), keys)
+            await c._direct_call("carry", [2, "f", res.rid, "r", res.rid, 1, *record], keys)
+    with pytest.raises(ScriptArgumentError, match="KEYS"):  # a record needs the index key
+        await c._direct_call("carry", [0, 1, "i0#1", 8, 1, "ab", 1], (c._node_rids,))
+    with pytest.raises(ScriptArgumentError, match="records"):
+        await c._direct_call("carry", [0, 17, *["i0#1", 8, 1, "ab", 1] * 17], keys)
     assert not await c.redis.exists(c.keys.prefix_index())
+    assert (await live_reservations(c))[res.rid]["phase"] == "prefill", "no mark applied"
+    await assert_counters_match_reservations(c)
+
+
+async def test_a_record_rides_on_the_next_reserve(make_coordinator: MakeCoordinator) -> None:
+    """A request's record is no call of its own: the node's next reserve carries it,
+    and the count it replies reaches the record (the node's view of the count)."""
+    c = await setup(make_coordinator, carry_ms=1000)
+    calls = count_calls(c)
+    first = await c.reserve(100, 10)
+    blocks = hashes(c, "a", "b")
+    recording = asyncio.create_task(c.prefix.record(first.instance_id, blocks))
+    await asyncio.sleep(0)  # the record is held
+    assert calls == {"reserve": 1}
+    await c.reserve(100, 10)
+    await recording
+    assert calls == {"reserve": 2}, "the record came with the second reservation"
+    epoch = await c.redis.hget(c.keys.column("epoch"), first.instance_id)
+    stem = f"{first.instance_id}#{epoch}"
+    assert await untimed(c) == {blocks[0]: f"{stem}|2+", blocks[1]: f"{stem}|1"}
+    assert c.prefix.seen.fresh(stem, 10**6, time.monotonic() * 1000) == 2, "the reply's count"
+    assert await c.prefix.cached_tokens(blocks) == {first.instance_id: 2 * TOKENS}
+
+
+async def test_held_records_go_by_themselves_in_bounded_calls(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Records with no reserve to ride on go in carry calls after carry_ms, at most
+    RECORD_STEP each, and none is lost."""
+    c = await setup(make_coordinator, carry_ms=20)
+    calls = count_calls(c)
+    parts = [chr(ord("a") + k) for k in range(2 * RECORD_STEP + 1)]
+    await asyncio.gather(*(c.prefix.record("i1", hashes(c, p)) for p in parts))
+    assert calls == {"carry": 3}
+    index = await counts(c)
+    epoch = await c.redis.hget(c.keys.column("epoch"), "i1")
+    assert index[f"i1#{epoch}"] == str(len(parts))
+    for p in parts:
+        assert await c.prefix.cached_tokens(hashes(c, p)) == {"i1": TOKENS}
+
+
+async def test_a_degraded_node_holds_no_record(make_coordinator: MakeCoordinator) -> None:
+    c = await setup(make_coordinator)
+    c._enter_degraded("test")
+    calls = count_calls(c)
+    await c.prefix.record("i0", hashes(c, "a"))  # best effort: nothing recorded, no error
+    assert not c._records
+    assert calls == {}
 
 
 async def test_reserve_follows_the_cache_until_the_guard_says_it_is_too_busy(

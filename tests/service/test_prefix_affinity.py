@@ -63,13 +63,20 @@ async def test_a_follow_up_turn_goes_to_the_instance_holding_its_prefix(
     expected = len(turn1_hashes) * BLOCK // 4
     assert (second, cached) == (first, str(expected))
 
-    async with harness.http.get(node.control_url + "/debug/instance_loads") as resp:
-        view = json.loads(await resp.read())
+    view: dict[str, Any] = {}
+
+    async def turn2_recorded() -> bool:
+        # The index holds turn 2's blocks for that instance once its record went (it
+        # rides on the node's next call, or goes by itself after carry_ms).
+        async with harness.http.get(node.control_url + "/debug/instance_loads") as resp:
+            view.update(json.loads(await resp.read()))
+        rows = {row["id"]: row["prefix"] for row in view["instances"]}
+        return rows[first]["index_tokens"] == len(prefix.hashes({"messages": TURN2})) * BLOCK // 4
+
+    await wait_for(turn2_recorded, what="turn 2 recorded in the index")
     assert view["prefix_affinity"] is True
     rows = {row["id"]: row["prefix"] for row in view["instances"]}
     assert rows[first]["expected_cached_tokens"] == expected
-    # The index holds turn 2's blocks for that instance, and nothing for the others.
-    assert rows[first]["index_tokens"] == len(prefix.hashes({"messages": TURN2})) * BLOCK // 4
     assert all(rows[other]["index_tokens"] == 0 for other in rows if other != first)
 
 
