@@ -14,9 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# Records one call carries (lua/_lib.lua MAX_RECORDS allows 16): a record runs an HMGET
-# and an HSET of a few fields, so a burst goes in bounded calls.
+# Records one call carries (lua/_lib.lua MAX_RECORDS allows 16), and block entries in
+# all (but the first record's, whatever its size: 512 at most): a record runs an HMGET
+# and an HSET of its entries, so a burst goes in bounded calls.
 RECORD_STEP = 8
+RECORD_PAIRS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +47,13 @@ class HeldRecords:
 
     def take(self) -> list[HeldRecord]:
         """The oldest records one call carries."""
-        taken, self._held = self._held[:RECORD_STEP], self._held[RECORD_STEP:]
+        count, pairs = 0, 0
+        for record in self._held[:RECORD_STEP]:
+            pairs += record.args[2]
+            if count and pairs > RECORD_PAIRS:
+                break
+            count += 1
+        taken, self._held = self._held[:count], self._held[count:]
         return taken
 
     def drop(self, error: BaseException) -> None:

@@ -4,7 +4,8 @@ says its format in Redis and what it means).
 Each Redis round trip costs the server more than the commands in it (a PING took
 30-40 µs of its CPU on the 2-core machine of docs/benchmarks.md), and a Lua script
 pays for every string that crosses into it and back. So per request, in the steady
-state, the index costs two round trips of small work, whatever the pool's size:
+state, the index costs one round trip of small work and a little more work in a call
+the node makes anyway, whatever the pool's size:
 
 - at decision time, one HMGET of the prompt's blocks (at most `prefix_max_blocks`
   fields). Validity needs the counts of the instances named: the node takes those it

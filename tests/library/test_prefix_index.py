@@ -11,10 +11,10 @@ import time
 import pytest
 
 from coordinator import Coordinator, ScriptArgumentError
+from coordinator.held_records import RECORD_PAIRS, RECORD_STEP, HeldRecords
 from coordinator.models import RequestShape
 from coordinator.prefix import CachedTokens
 from coordinator.prefix_entries import COUNT_FRESH_MS
-from coordinator.held_records import RECORD_STEP
 from coordinator.prefix_index import SAMPLE_EVERY, recorded_entries
 from tests.conftest import MakeCoordinator
 from tests.helpers import assert_counters_match_reservations, live_reservations, spec
@@ -711,3 +711,23 @@ async def test_garbage_in_the_index_costs_credit_never_a_request(
     assert await c.prefix.cached_tokens(turn) == {"i0": 2 * TOKENS}
     assert (await counts(c))["i0#1"] == "2"
     assert await untimed(c) == {turn[0]: "i0#1|2+", turn[1]: "i0#1|1"}  # entries only
+
+
+async def test_a_call_carries_a_bounded_number_of_block_entries() -> None:
+    """Records go RECORD_STEP at a time and RECORD_PAIRS entries in all, but one record
+    of any size still goes, and none is lost or reordered."""
+    held = HeldRecords()
+    sizes = [1, RECORD_PAIRS, 3, 2 * RECORD_STEP, *[1] * (2 * RECORD_STEP)]
+    for size in sizes:
+        held.hold("i0#1", 8, ["ab", 1] * size)
+    calls = []
+    while held:
+        calls.append([record.args[2] for record in held.take()])
+    assert calls == [
+        [1],
+        [RECORD_PAIRS],
+        [3, 2 * RECORD_STEP, *[1] * (RECORD_STEP - 2)],
+        [1] * RECORD_STEP,
+        [1] * 2,
+    ]
+    assert [size for call in calls for size in call] == sizes
