@@ -54,6 +54,7 @@ import os
 import random
 import shlex
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -837,7 +838,11 @@ def run_strategy(
             )
         )
         hit_rate = asyncio.run(prefix_hit_rate(cluster.engine_urls))
-        learned = learned_timing(http_json(cluster.control_urls[0] + "/debug/instance_loads"))
+        views = [http_json(url + "/debug/instance_loads") for url in cluster.control_urls]
+        learned = learned_timing(views[0])
+        kept = keep_if_piled(cluster, outcomes, views, config.instances)
+        if kept and progress is not None:
+            progress(f"live: {strategy}: one engine took over {PILED:g}x its share: {kept}")
     finally:
         if cluster is not None:
             cluster.stop()
@@ -861,6 +866,26 @@ def run_strategy(
             f"lateness p99 {result.lateness_p99_ms:.1f} ms (real)"
         )
     return result
+
+
+# A run whose busiest engine took more than this many times the mean keeps its nodes'
+# and engines' logs and every node's /debug/instance_loads for a look afterwards.
+PILED = 2.0
+
+
+def keep_if_piled(
+    cluster: Any, outcomes: Sequence[Outcome], views: Sequence[Any], instances: int
+) -> str:
+    """Where a piled-up run's logs and node views were kept ('' when not piled)."""
+    counts = Counter(o.instance for o in outcomes if o.instance)
+    if not counts or max(counts.values()) <= PILED * sum(counts.values()) / instances:
+        return ""
+    into = Path(tempfile.mkdtemp(prefix="coordinator-live-piled-"))
+    cluster.keep_logs(into)
+    for k, view in enumerate(views):
+        (into / f"node-{k}-instance_loads.json").write_text(json.dumps(view, indent=1))
+    (into / "requests_per_instance.json").write_text(json.dumps(dict(counts), indent=1))
+    return str(into)
 
 
 def run_live(

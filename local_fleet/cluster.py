@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -360,6 +361,12 @@ class LocalCluster:
                     + ("; last lines: " + " | ".join(words) if words else "")
                 )
             time.sleep(0.05)
+
+    def keep_logs(self, into: Path) -> None:
+        """Copy the children's logs (quiet clusters keep them in a temporary directory,
+        removed by `stop`) into `into`."""
+        if self._logs is not None:
+            shutil.copytree(self._logs.name, into, dirs_exist_ok=True)
 
     def stop(self) -> None:
         """Stop engines (they unregister), then nodes, then Redis."""

@@ -18,6 +18,7 @@ from bench.live import (
     Outcome,
     auto_speed,
     build_request,
+    keep_if_piled,
     load_slice,
     prompt_text,
     summarize,
@@ -247,3 +248,31 @@ def test_summarize_reports_wait_and_prediction_accuracy() -> None:
     assert result.wait_p99_ms == pytest.approx(200.0 - prefill / 2.0)
     assert result.predicted_share == pytest.approx(0.5)  # 1 of the 2 after the warm-up
     assert result.prediction_error_p50 == pytest.approx(0.25)  # |200 - 150| / 200
+
+
+class _Logged:
+    """A stand-in cluster whose logs are one file."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+
+    def keep_logs(self, into: Path) -> None:
+        (into / "node-0.log").write_text(self.logs.read_text())
+
+
+def test_a_piled_up_run_keeps_its_logs_and_views(tmp_path: Path) -> None:
+    """Over PILED times the mean on one engine: the logs, every node's view and the
+    requests per instance are kept; a balanced run keeps nothing."""
+    log = tmp_path / "log"
+    log.write_text("coordination degraded: test\n")
+    views = [{"instances": [{"id": "engine-0"}]}, {"instances": []}]
+    even = [Outcome(i, 0, 0.0, instance=f"engine-{i % 4}") for i in range(40)]
+    assert keep_if_piled(_Logged(log), even, views, 4) == ""
+    piled = [Outcome(i, 0, 0.0, instance="engine-0" if i < 21 else "engine-1") for i in range(40)]
+    kept = Path(keep_if_piled(_Logged(log), piled, views, 4))
+    assert (kept / "node-0.log").read_text() == "coordination degraded: test\n"
+    assert json.loads((kept / "node-1-instance_loads.json").read_text()) == views[1]
+    assert json.loads((kept / "requests_per_instance.json").read_text()) == {
+        "engine-0": 21,
+        "engine-1": 19,
+    }
