@@ -1030,7 +1030,11 @@ class Coordinator:
                 failed(records, exc)
                 if not isinstance(exc, Exception):
                     raise
-                log.exception("sending %d held marks and releases failed", len(held))
+                log.exception(
+                    "sending %d held marks and releases, %d records failed",
+                    len(held),
+                    len(records),
+                )
                 continue
             self._apply_carried(self._settle(reply, held, records))
 

@@ -535,7 +535,7 @@ end
 -- (32), so a call's work stays bounded (20-50 µs of Redis time each).
 local MAX_CARRIED = 64
 
--- Prefix records one call may carry (coordinator/coordinator.py RECORD_STEP: 8).
+-- Prefix records one call may carry (nodes send at most 8: coordinator/held_records.py).
 local MAX_RECORDS = 16
 
 -- The prefix records in ARGV[at ..], checked for record_prefix (below), or
