@@ -18,6 +18,7 @@ from coordinator.prefix_entries import COUNT_FRESH_MS
 from coordinator.prefix_index import SAMPLE_EVERY, recorded_entries
 from tests.conftest import MakeCoordinator
 from tests.helpers import assert_counters_match_reservations, live_reservations, spec
+from tests.library.test_fault_paths import lose_next_reply, recovered
 from tests.library.test_snapshot_cache import count_calls
 
 BLOCK = 64  # characters per block in these tests
@@ -731,3 +732,30 @@ async def test_a_call_carries_a_bounded_number_of_block_entries() -> None:
         [1] * 2,
     ]
     assert [size for call in calls for size in call] == sizes
+
+
+async def test_a_reserve_whose_reply_is_lost_counts_its_record_as_not_recorded(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """The record rode on a reserve that ran in Redis, but the reply never came: the
+    record's holder returns (nothing hangs, nothing is noted), the node degrades and
+    recovers as after any lost reply, and the next records ride along again."""
+    c = await setup(make_coordinator, carry_ms=1000)
+    first = await c.reserve(100, 10)
+    blocks = hashes(c, "a", "b")
+    recording = asyncio.create_task(c.prefix.record(first.instance_id, blocks))
+    await asyncio.sleep(0)  # the record is held
+    lose_next_reply(c, "reserve")
+    assert (await c.reserve(100, 10)).degraded
+    await recording  # returned: not known to be recorded
+    epoch = await c.redis.hget(c.keys.column("epoch"), first.instance_id)
+    stem = f"{first.instance_id}#{epoch}"
+    assert c.prefix.seen.fresh(stem, 10**6, time.monotonic() * 1000) is None, "nothing noted"
+    assert not c._records
+    await recovered(c)
+    again = asyncio.create_task(c.prefix.record(first.instance_id, hashes(c, "c")))
+    await asyncio.sleep(0)
+    await c.reserve(100, 10)
+    await again
+    # The lost call had recorded its 2 blocks all the same: the count says so.
+    assert c.prefix.seen.fresh(stem, 10**6, time.monotonic() * 1000) == 3
