@@ -737,10 +737,7 @@ class Coordinator:
             records = self._records.take()
             if self._carry or self._records:
                 self._schedule_carry()  # the rest go in carry calls of their own
-            args.append(len(carried))
-            for op, held_rid, _ in carried:
-                args += [op, held_rid]
-            args += record_args(records)
+            args += self._carried_args(carried, records)
             issued = self._cache.state_ver  # the version view_token named
             try:
                 reply = await self._call("reserve", args, self._carry_keys(records))
@@ -1013,13 +1010,11 @@ class Coordinator:
         while self._carry or self._records:
             held = self._take_carried()
             records = self._records.take()
-            args: list[Any] = [len(held)]
-            for op, rid, _ in held:
-                args += [op, rid]
-            args += record_args(records)
             self.stats.carry_calls += 1
             try:
-                reply = await self._call("carry", args, self._carry_keys(records))
+                reply = await self._call(
+                    "carry", self._carried_args(held, records), self._carry_keys(records)
+                )
             except CoordinationUnavailableError as exc:
                 for op, rid, res in held:  # as release() does when Redis is away
                     if op == "r" and (res is None or res.in_redis):
@@ -1046,6 +1041,17 @@ class Coordinator:
         count = self._records.hold(stem, max_owners, pairs)
         self._schedule_carry()
         return count
+
+    @staticmethod
+    def _carried_args(
+        held: Sequence[tuple[str, str, LocalReservation | None]], records: Sequence[Any]
+    ) -> list[Any]:
+        """The arguments a reserve or carry call ends with: the held transitions, then
+        the records (lua/_lib.lua carried_count)."""
+        args: list[Any] = [len(held)]
+        for op, rid, _ in held:
+            args += [op, rid]
+        return args + record_args(records)
 
     def _carry_keys(self, records: Sequence[Any]) -> tuple[bytes, ...]:
         """The keys a reserve or carry call takes after the pool's."""
