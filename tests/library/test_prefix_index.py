@@ -549,6 +549,10 @@ async def test_reserve_spreads_a_short_hot_prefix_while_an_instance_is_idle(
             cached = CachedTokens({"i0": tokens}, hot={"i0"})
             res = await c.reserve(prompt, 1, cached_tokens=cached)
             assert res.instance_id in expected, (pct, tokens)
+            # done, not cancelled: a cancel of a prefill predicted to have started
+            # (once `busy`'s 15 ms have passed) leaves i0's prefill cursor where it
+            # was (lua/_lib.lua rechain_after_cancel), which the last reserve would see
+            await c.mark_first_token(res.rid)
             await c.release(res.rid)
         # nobody idle (i0 has 2 in flight, i1 and i2 one each: i0 is over its share, as
         # it was above): the rule does not apply, the credit keeps the request on i0
