@@ -166,7 +166,14 @@ async def _cpu_s(redis: Redis) -> float:
 
 
 # Commands a sampled reclaim runs outside any script (coordinator/prefix_index.py).
-RECLAIM_ROWS = ("cmdstat_hrandfield", "cmdstat_hdel", "cmdstat_hsetnx", "cmdstat_unlink")
+# the sample: HSCAN, or HRANDFIELD in trees before 2026-12-05 (--against)
+RECLAIM_ROWS = (
+    "cmdstat_hscan",
+    "cmdstat_hrandfield",
+    "cmdstat_hdel",
+    "cmdstat_hsetnx",
+    "cmdstat_unlink",
+)
 
 
 def _usec(commandstats: dict[str, Any]) -> float:

@@ -485,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(its `reserve`, or a `carry` after `carry_ms`: coordinator/held_records.py), so "
         "it costs what carrying it adds to a call the node makes anyway: each record in a "
         "`carry` call of its own, less an empty `carry` call timed in a pass of its own; "
-        "plus the `HRANDFIELD`, `HDEL`, `HSETNX` and `UNLINK` of one sampled reclaim in "
+        "plus the `HSCAN` (a tree before 2026-12-05: `HRANDFIELD`), `HDEL`, `HSETNX` and `UNLINK` of one sampled reclaim in "
         "16, whose `HMGET`s and `HSET`s share rows with the others' and are left out; "
         "with every instance's index full at "
         f"{COST_CAPACITY:,} tokens of 30-block conversations (Mooncake's mean prompt). This adds to the "

@@ -165,6 +165,27 @@ async def test_an_unregistered_instance_is_reclaimed_by_later_records(
     assert await counts(c) == {"i0#1": str(SAMPLE_EVERY + 1), "i0#": "1", "i1#": "1"}
 
 
+async def test_sampled_records_sweep_a_large_index_whole(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """On an index far larger than one sample, the sampled records go on where the
+    previous sample ended (HSCAN), so within about one sweep every field has been read
+    and every entry of an unregistered instance is gone; random samples would leave
+    some for a long time."""
+    c = await setup(make_coordinator)
+    for k in range(80):  # 240 fields of i1, against samples of 32 (one entry a record)
+        await c.prefix.record("i1", hashes(c, f"x{k}", "y", "z"))
+    await c.unregister_instance("i1")
+    await c.refresh()
+    samples = 0
+    while any("i1#" in v for v in (await owners(c)).values()):
+        assert samples < 24, "the sweep should have reached every field by now"
+        for _ in range(SAMPLE_EVERY):
+            await c.prefix.record("i0", hashes(c, "q"))
+        samples += 1
+    assert samples >= 240 // (2 * SAMPLE_EVERY)  # a sample reads about its share only
+
+
 async def test_nothing_but_hashes_and_ids_is_stored(make_coordinator: MakeCoordinator) -> None:
     c = await setup(make_coordinator)
     secret = "my password is hunter2 " * 20
