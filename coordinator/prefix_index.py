@@ -241,9 +241,11 @@ class PrefixIndex:
         The sample is the next stretch of the node's sweep (`HSCAN` from where its
         previous sample ended, from the start once a sweep is through): each sweep
         reads every field, where random samples (`HRANDFIELD`) leave some unread for
-        many samples, and it costs the server a little less (a sample's cost is
-        mostly its reply: bench/instructions.py's index rows moved 2-3%). A small
-        index comes whole."""
+        many samples. It also costs the server less: about the same instructions
+        (bench/instructions.py's index rows moved 2-3%: a sample's cost is mostly its
+        reply), but it reads the hash's buckets in order where random draws miss the
+        CPU's caches (on a 60,000-field hash, a 128-field sample took 144-163 µs of
+        server CPU against 243-284 µs). A small index comes whole."""
         cursor, found = await self._redis.hscan(self._index, self._cursor, count=sample)
         self._cursor = int(cursor)
         sampled = [(_text(k), _text(v)) for k, v in found.items()]

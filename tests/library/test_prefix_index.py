@@ -183,7 +183,8 @@ async def test_sampled_records_sweep_a_large_index_whole(
         for _ in range(SAMPLE_EVERY):
             await c.prefix.record("i0", hashes(c, "q"))
         samples += 1
-    assert samples >= 240 // (2 * SAMPLE_EVERY)  # a sample reads about its share only
+    # a sample reads about 32 of the ~250 fields (a sweep takes about 8), not all
+    assert samples >= 3
 
 
 async def test_nothing_but_hashes_and_ids_is_stored(make_coordinator: MakeCoordinator) -> None:
