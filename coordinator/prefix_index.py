@@ -277,12 +277,12 @@ def _count(value: str | None) -> int | None:
     return int(value) if value is not None and value.isdigit() else None
 
 
-def _texts(values: Sequence[str | bytes | None]) -> list[str | None]:
-    return [v.decode() if isinstance(v, bytes) else v for v in values]
-
-
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _texts(values: Sequence[str | bytes | None]) -> list[str | None]:
+    return [None if v is None else _text(v) for v in values]
 
 
 def recorded_entries(blocks: int, held: int, stride: int) -> list[tuple[int, int]]:
