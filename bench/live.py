@@ -888,6 +888,34 @@ def keep_if_piled(
     return str(into)
 
 
+def slice_requests(
+    trace: str | Path | None,
+    offset: int,
+    limit: int,
+    utilization: float | None,
+    config: LiveConfig | None = None,
+    progress: Progress | None = None,
+) -> tuple[list[TraceRequest], LiveConfig]:
+    """The slice's requests as a live run sends them, and `config` with its speed chosen
+    (`--speed auto`)."""
+    config = config or LiveConfig()
+    requests = load_slice(
+        trace,
+        offset,
+        limit,
+        utilization,
+        config.capacity,
+        EngineTiming(),  # what LocalCluster's mock engines and the sim both run
+        seed=config.seed,
+        caps=(config.max_prompt_tokens, config.max_output_tokens),
+    )
+    if config.speed is None:
+        config = replace(config, speed=auto_speed(requests))
+        if progress is not None:
+            progress(f"live: --speed auto chose {config.rate:g}")
+    return requests, config
+
+
 def run_live(
     trace: str | Path | None,
     *,
@@ -899,23 +927,8 @@ def run_live(
     progress: Progress | None = None,
 ) -> LiveRun:
     """Simulate, then replay live, every strategy on the same slice."""
-    config = config or LiveConfig()
     started = time.monotonic()
-    timing = EngineTiming()  # what LocalCluster's mock engines and the sim both run
-    requests = load_slice(
-        trace,
-        offset,
-        limit,
-        utilization,
-        config.capacity,
-        timing,
-        seed=config.seed,
-        caps=(config.max_prompt_tokens, config.max_output_tokens),
-    )
-    if config.speed is None:
-        config = replace(config, speed=auto_speed(requests))
-        if progress is not None:
-            progress(f"live: --speed auto chose {config.rate:g}")
+    requests, config = slice_requests(trace, offset, limit, utilization, config, progress)
     sim_config = config.sim_config()
     offered = (
         offered_load(requests, sim_config.timing, config.capacity)

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.docs import add_write_docs, write_section
-from bench.live import LiveConfig, LiveRun, run_live
+from bench.live import LiveConfig, LiveRun, run_live, slice_requests
 from bench.prefix_live import CostResult, TurnsResult, follow_up_turns, redis_cost
 from bench.sim.simulator import NODE_STRIDE, SimConfig, StrategyResult, simulate
 from bench.sim.traces import TraceRequest, load_trace, scale_to_utilization
@@ -68,6 +68,8 @@ TTFT_SHARE = 0.7  # affinity's TTFT p50 and p99 <= this x least_load's
 ANCHOR_SHARE = 1.1  # affinity's TTFT p99 <= this x the better anchor's
 AZURE_SHARE = 1.03  # no regression without prefixes: within 3%
 LIVE_SHARE = 0.15  # live agrees with the sim within 15% (hit rate, TTFT p50)
+SIM_REPLAYS = 20  # the live slice simulated this many times, arrivals perturbed
+ARRIVAL_JITTER_MS = 2.0  # each arrival later by up to this (real ms): the client's lateness
 STICKY_SHARE = 0.8  # follow-up turns on their previous turn's instance, at least
 TURNS_CONVERSATIONS = 24  # the follow-up trial's conversations (bench/prefix_live.py)
 BUSIEST_SHARE = 1.6  # the busiest instance serves at most this x the mean
@@ -211,20 +213,69 @@ def azure_part(
     return table, checks
 
 
-def live_part(runs: Sequence[LiveRun], controls: Sequence[LiveRun]) -> tuple[str, list[Check]]:
+def perturbed_sims(
+    requests: Sequence[TraceRequest], config: LiveConfig, replays: int = SIM_REPLAYS
+) -> list[StrategyResult]:
+    """The live slice simulated `replays` times, each arrival moved later by a random
+    0..ARRIVAL_JITTER_MS of real time (the order of the live client's own send
+    lateness, p99 about 2 ms here), each replay with its own seed.
+
+    Routing with prefix caches is chaotic at this load: a shift of one arrival by a
+    millisecond can send a long prompt elsewhere, which moves every later hit and
+    queue. The unperturbed sim is one draw from a spread as wide as the live runs'.
+    """
+    jitter = ARRIVAL_JITTER_MS * config.rate  # engine ms
+    strategy = config.sim_strategy("least_load")
+    return [
+        simulate(
+            perturbed_arrivals(requests, jitter, replay),
+            strategy,
+            replace(config.sim_config(), seed=replay),
+        )
+        for replay in range(replays)
+    ]
+
+
+def perturbed_arrivals(
+    requests: Sequence[TraceRequest], jitter_ms: float, seed: int
+) -> list[TraceRequest]:
+    """Each arrival moved later by a random 0..jitter_ms (engine ms), from `seed`."""
+    rng = random.Random(seed)
+    return [replace(r, arrival_ms=r.arrival_ms + rng.uniform(0.0, jitter_ms)) for r in requests]
+
+
+def _spread(values: Sequence[float], fmt: Callable[[float], str]) -> str:
+    return f"mean {fmt(statistics.fmean(values))} ({fmt(min(values))}-{fmt(max(values))})"
+
+
+def live_part(
+    runs: Sequence[LiveRun],
+    controls: Sequence[LiveRun],
+    sims: Sequence[StrategyResult],
+    control_sims: Sequence[StrategyResult],
+) -> tuple[str, list[Check]]:
     """The live slice against the sim: one row per run (affinity on, and the control
-    without any engine cache), the checks on the medians over the runs."""
-    sim = runs[0].comparisons[0].sim  # the same simulation every run
+    without any engine cache), the checks on the means over the live runs against the
+    means over the perturbed sims."""
+    sim = runs[0].comparisons[0].sim  # the same unperturbed simulation every run
     lives = [r.comparisons[0].live for r in runs]
     plains = [c.comparisons[0] for c in controls]
-    hit = statistics.median(x.prefix_hit_rate for x in lives)
-    p50 = statistics.median(x.ttft_p50_ms for x in lives)
+    hit = statistics.fmean(x.prefix_hit_rate for x in lives)
+    p50 = statistics.fmean(x.ttft_p50_ms for x in lives)
+    sim_hit = statistics.fmean(x.prefix_hit_rate for x in sims)
+    sim_p50 = statistics.fmean(x.ttft_p50_ms for x in sims)
+    control_p50 = statistics.fmean(x.ttft_p50_ms for x in control_sims)
+    replays = f"{len(sims)} replays, arrivals perturbed by up to {ARRIVAL_JITTER_MS:g} ms real"
     lines = [
         "| | hit rate | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | completed | per instance |",
         "|---|---:|---:|---:|---:|---:|---|",
-        f"| sim ({sim.strategy}) | {sim.prefix_hit_rate:.3f} | {ms(sim.ttft_p50_ms)} "
-        f"| {ms(sim.ttft_p99_ms)} | {ms(sim.e2e_p50_ms)} | {sim.completed}/{sim.requests} "
-        f"| {' / '.join(map(str, sim.assigned))} |",
+        f"| sim ({sim.strategy}), unperturbed | {sim.prefix_hit_rate:.3f} "
+        f"| {ms(sim.ttft_p50_ms)} | {ms(sim.ttft_p99_ms)} | {ms(sim.e2e_p50_ms)} "
+        f"| {sim.completed}/{sim.requests} | {' / '.join(map(str, sim.assigned))} |",
+        f"| sim, {replays} | {_spread([x.prefix_hit_rate for x in sims], '{:.3f}'.format)} "
+        f"| {_spread([x.ttft_p50_ms for x in sims], ms)} "
+        f"| {_spread([x.ttft_p99_ms for x in sims], ms)} "
+        f"| {_spread([x.e2e_p50_ms for x in sims], ms)} | | |",
         *(
             f"| live {k + 1} ({live.strategy}, affinity on) | {live.prefix_hit_rate:.3f} "
             f"| {ms(live.ttft_p50_ms)} | {ms(live.ttft_p99_ms)} | {ms(live.e2e_p50_ms)} "
@@ -232,10 +283,14 @@ def live_part(runs: Sequence[LiveRun], controls: Sequence[LiveRun]) -> tuple[str
             f"| {' / '.join(map(str, live.assigned.values()))} |"
             for k, live in enumerate(lives)
         ),
-        f"| live, median of {len(lives)} | {hit:.3f} | {ms(p50)} | | | | |",
-        f"| control, sim (least_load, no engine cache) | n/a | {ms(plains[0].sim.ttft_p50_ms)} "
-        f"| {ms(plains[0].sim.ttft_p99_ms)} | {ms(plains[0].sim.e2e_p50_ms)} "
+        f"| live, mean of {len(lives)} | {hit:.3f} | {ms(p50)} | | | | |",
+        f"| control, sim (least_load, no engine cache), unperturbed | n/a "
+        f"| {ms(plains[0].sim.ttft_p50_ms)} | {ms(plains[0].sim.ttft_p99_ms)} "
+        f"| {ms(plains[0].sim.e2e_p50_ms)} "
         f"| {plains[0].sim.completed}/{plains[0].sim.requests} | - |",
+        f"| control, sim, {replays} | n/a | {_spread([x.ttft_p50_ms for x in control_sims], ms)} "
+        f"| {_spread([x.ttft_p99_ms for x in control_sims], ms)} "
+        f"| {_spread([x.e2e_p50_ms for x in control_sims], ms)} | | - |",
         *(
             f"| control, live {k + 1} (least_load, no engine cache) | n/a "
             f"| {ms(plain.live.ttft_p50_ms)} | {ms(plain.live.ttft_p99_ms)} "
@@ -245,21 +300,27 @@ def live_part(runs: Sequence[LiveRun], controls: Sequence[LiveRun]) -> tuple[str
     ]
     checks: list[Check] = []
     for what, a, b in (
-        ("live hit rate within 15% of the sim's", hit, sim.prefix_hit_rate),
-        ("live TTFT p50 within 15% of the sim's", p50, sim.ttft_p50_ms),
+        ("live hit rate within 15% of the sim's", hit, sim_hit),
+        ("live TTFT p50 within 15% of the sim's", p50, sim_p50),
     ):
         deviation = abs(a / b - 1.0) if b else math.inf
         checks.append((what + f" (deviation {deviation:.1%})", a, b, deviation <= LIVE_SHARE))
-    ratios = ", ".join(f"{plain.ratio:.2f}" for plain in plains)
+    ratios = ", ".join(f"{plain.live.ttft_p50_ms / control_p50:.2f}" for plain in plains)
     note = (
         f"\n\n{len(runs)} live runs of each, interleaved (affinity on, then the control), "
-        "each on a fresh fleet; the checks take the medians, since one run's TTFT p50 "
-        "moves by a fifth or more on this machine (queueing at utilization 0.8 is "
-        "sensitive to every delay). The control replays the same slice with no prefix "
-        f"cache anywhere: its live TTFT p50 is {ratios}x the sim's, the harness's own "
-        "deviation on these long prompts, with no affinity involved. Both sides' nodes "
-        "decide on views of the pool of the same age in engine time (bench/live.py "
-        "`NODE_TIMES`)."
+        "each on a fresh fleet. With prefix caches, routing at this load is chaotic: "
+        "moving one arrival by a millisecond can send a long prompt to another instance, "
+        "and every later hit and queue moves with it. So one simulation is one draw: "
+        f"the slice is simulated {len(sims)} times, each arrival moved later by a random "
+        f"0-{ARRIVAL_JITTER_MS:g} ms of real time (the order of the live client's own send "
+        "lateness), and its TTFT p50 spreads over the range above, as the live runs' does; "
+        "without caches (the control) it barely moves. The checks compare the means "
+        "over the live runs with the means over the perturbed sims (a spread with two "
+        "modes makes a median of 3 jump between them). The control replays the same slice "
+        "with no prefix cache anywhere: its live TTFT p50 is "
+        f"{ratios}x the perturbed sims' mean, the harness's own deviation on these long "
+        "prompts, with no affinity involved. Both sides' nodes decide on views of the pool "
+        "of the same age in engine time (bench/live.py `NODE_TIMES`)."
     )
     return "\n".join(lines) + note, checks
 
@@ -387,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--live-limit", type=int, default=300, help="requests in the live slice")
     parser.add_argument("--speed", type=float, default=None, help="live speed (default: auto)")
     parser.add_argument(
-        "--live-runs", type=int, default=3, help="live runs of the slice (checks take medians)"
+        "--live-runs", type=int, default=3, help="live runs of the slice (checks take means)"
     )
     parser.add_argument("--no-live", action="store_true", help="simulate only")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
@@ -455,14 +516,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress=log,
             )
 
+        requests, live_config = slice_requests(
+            args.mooncake, args.live_offset, args.live_limit, args.utilization, live_config, log
+        )
+        control_config = replace(live_config, prefix_cache_tokens=0)
+        log(f"sim: the live slice, {SIM_REPLAYS} perturbed replays with and without caches")
+        sims = perturbed_sims(requests, live_config)
+        control_sims = perturbed_sims(requests, control_config)
         runs: list[LiveRun] = []
         controls: list[LiveRun] = []
         for _ in range(args.live_runs):
             runs.append(slice_run(live_config))
-            rate = runs[0].config.rate
-            controls.append(slice_run(replace(live_config, prefix_cache_tokens=0, speed=rate)))
+            controls.append(slice_run(control_config))
         run = runs[0]
-        table, checks = live_part(runs, controls)
+        table, checks = live_part(runs, controls, sims, control_sims)
         summary += checks
         parts.append(
             f"### Live: {run.limit} requests of `{args.mooncake.name}` from request "

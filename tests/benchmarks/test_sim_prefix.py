@@ -172,3 +172,33 @@ def test_hash_ids_are_read_from_jsonl_traces() -> None:
         '{"timestamp": 5, "input_length": 10, "output_length": 5}'
     )
     assert [r.blocks for r in trace] == [(1, 2), ()]
+
+
+def test_perturbed_arrivals_move_each_request_later_by_at_most_the_jitter() -> None:
+    from bench.prefix_report import perturbed_arrivals
+
+    requests = [TraceRequest(i, 10.0 * i, 512, 1, (i,)) for i in range(200)]
+    moved = perturbed_arrivals(requests, 3.0, seed=1)
+    shifts = [m.arrival_ms - r.arrival_ms for m, r in zip(moved, requests, strict=True)]
+    assert all(0.0 <= s <= 3.0 for s in shifts) and max(shifts) > 2.5 and min(shifts) < 0.5
+    assert [m.index for m in moved] == [r.index for r in requests]
+    assert perturbed_arrivals(requests, 3.0, seed=1) == moved  # one seed, one replay
+    assert perturbed_arrivals(requests, 3.0, seed=2) != moved
+
+
+def test_perturbed_sims_of_a_live_slice_are_one_replay_per_seed() -> None:
+    from bench.live import LiveConfig
+    from bench.prefix_report import perturbed_sims
+
+    requests = scale_to_utilization(
+        [TraceRequest(i, 40.0 * i, 2048, 20, (i % 7, 100 + i)) for i in range(120)],
+        SimConfig().timing,
+        4,
+        0.8,
+    )
+    config = LiveConfig(instances=4, nodes=2, speed=1.0, prefix_cache_tokens=100_000)
+    sims = perturbed_sims(requests, config, replays=3)
+    assert [s.requests for s in sims] == [120, 120, 120]
+    assert all(s.strategy == "least_load_affinity" and s.prefix_hit_rate > 0 for s in sims)
+    again = perturbed_sims(requests, config, replays=3)
+    assert [s.ttft_p50_ms for s in again] == [s.ttft_p50_ms for s in sims]
