@@ -35,9 +35,11 @@ from coordinator.errors import (
     NoInstanceError,
     PoolFullError,
     ScriptArgumentError,
+    ServerBusyError,
     UnknownInstanceError,
     WriteRefusedError,
     from_response_error,
+    is_server_busy,
     is_write_refused,
 )
 from coordinator.fastrank import ColumnarPool
@@ -329,8 +331,9 @@ class Coordinator:
             raise CoordinationUnavailableError("coordination is degraded")
         try:
             return await self._direct_call(name, args, extra_keys)
-        except WriteRefusedError as exc:
-            self.stats.write_refusals += 1
+        except (WriteRefusedError, ServerBusyError) as exc:
+            if isinstance(exc, WriteRefusedError):
+                self.stats.write_refusals += 1
             self._enter_degraded(exc)
             raise
         except UNAVAILABLE as exc:
@@ -1615,6 +1618,8 @@ class Coordinator:
                 raise mapped from exc
             if is_write_refused(exc):
                 raise WriteRefusedError(f"redis refuses writes: {exc}") from exc
+            if is_server_busy(exc):
+                raise ServerBusyError(f"redis is busy: {exc}") from exc
             raise
 
 

@@ -45,6 +45,19 @@ class WriteRefusedError(CoordinationUnavailableError):
     """Redis answers but refuses writes (OOM, READONLY, MISCONF, NOREPLICAS): degrade."""
 
 
+class ServerBusyError(CoordinationUnavailableError):
+    """Redis answers BUSY: a script (any client's) has run past busy-reply-threshold,
+    and every other call is refused until it ends or SCRIPT KILL stops it: degrade."""
+
+
+def is_server_busy(exc: ResponseError) -> bool:
+    """Whether a Redis error reply is BUSY (a long script or function is running),
+    alone or as redis-py reports it from a MULTI/EXEC ("Command # 1 (...) of pipeline
+    caused error: BUSY ...")."""
+    text = str(exc)
+    return text.startswith("BUSY ") or " of pipeline caused error: BUSY " in text
+
+
 SCRIPT_ERROR_PREFIX = "LCERR "
 # Error codes of a server that is up but cannot take writes now: maxmemory with
 # noeviction, a replica after a failover, a failed RDB save, too few replicas.

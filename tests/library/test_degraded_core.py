@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import suppress
@@ -12,7 +13,7 @@ from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 
 from coordinator import Coordinator, EpochFencedError, Settings
 from coordinator.connection import connect_redis
-from coordinator.errors import CoordinationUnavailableError, is_write_refused
+from coordinator.errors import CoordinationUnavailableError, is_server_busy, is_write_refused
 from local_fleet.embedded import EmbeddedRedis, free_port
 from tests.helpers import (
     assert_counters_match_reservations,
@@ -222,6 +223,71 @@ async def test_write_refusing_errors_degrade_serve_and_reconcile(
     records = await live_reservations(c)
     assert set(records) == {kept[0], kept[2], made[1].rid, made[2].rid}
     assert records[kept[0]]["phase"] == "decode"
+
+
+@contextlib.asynccontextmanager
+async def busy_script(server: EmbeddedRedis) -> AsyncIterator[None]:
+    """A window in which another client's script runs past busy-reply-threshold: the
+    server answers every other call BUSY until SCRIPT KILL ends it."""
+    admin = Redis.from_url(server.url, decode_responses=True)
+    blocker = Redis.from_url(server.url)
+    await admin.config_set("busy-reply-threshold", "10")  # ms (lua-time-limit)
+    spinning = asyncio.create_task(blocker.eval("while true do end", 0))
+
+    async def busy() -> bool:
+        try:
+            await admin.ping()
+        except ResponseError as exc:
+            assert str(exc).startswith("BUSY "), exc
+            return True
+        return False
+
+    try:
+        await wait_for(busy, what="the server to answer BUSY")
+        yield
+    finally:
+        await admin.script_kill()
+        with pytest.raises(ResponseError, match="killed"):
+            await spinning
+        await admin.aclose()
+        await blocker.aclose()
+
+
+async def test_a_busy_server_degrades_loses_no_held_release_and_reconciles(
+    server: EmbeddedRedis, node: Coordinator
+) -> None:
+    """Another client's long script (BUSY replies): requests are served locally, held
+    marks and releases are not dropped, and Redis matches the node once it ends."""
+    c = node
+    await c.renew_lease()
+    kept = [(await c.reserve(100, 10)).rid for _ in range(4)]
+    async with busy_script(server):
+        assert (await c.snapshot()).coordination == "degraded"  # read_state's MULTI/EXEC
+        c.first_token_soon(kept[0])
+        c.release_soon(kept[1])  # held: its carry call meets BUSY
+        await c.flush_carried()
+        made = [await c.reserve(100, 10) for _ in range(3)]
+        assert all(r.degraded for r in made)
+        assert c.coordination == "degraded"
+        assert c.stats.write_refusals == 0  # BUSY is no write refusal
+        assert await c.release(kept[2]) is True
+        assert await c.release(made[0].rid) is True
+    await wait_for(lambda: c.coordination == "ok", what="coordination to recover")
+    await assert_redis_equals_local(c)
+    records = await live_reservations(c)
+    assert set(records) == {kept[0], kept[3], made[1].rid, made[2].rid}
+    assert records[kept[0]]["phase"] == "decode"
+
+
+def test_busy_replies_are_recognised_and_are_no_write_refusal() -> None:
+    busy = ResponseError("BUSY Redis is busy running a script. You can only call SCRIPT KILL")
+    assert is_server_busy(busy) and not is_write_refused(busy)
+    in_multi = ResponseError(  # how redis-py reports it from read_state's MULTI/EXEC
+        "Command # 1 (EVALSHA c2e7 16 lc:{p}:meta ...) of pipeline caused error: BUSY Redis "
+        "is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE."
+    )
+    assert is_server_busy(in_multi)
+    assert not is_server_busy(ResponseError("ERR the word BUSY inside a message"))
 
 
 @pytest.mark.parametrize(
