@@ -18,6 +18,7 @@ import hiredis
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel
+from redis.exceptions import RedisError
 
 from coordinator.errors import InvalidArgumentError
 from coordinator.settings import Settings
@@ -80,6 +81,29 @@ class _HiredisPacking:
 
 
 @cache
+async def eviction_warning(client: Any) -> str | None:
+    """What to warn an operator of when the server may evict any key: maxmemory set
+    with an `allkeys-*` policy. A pool that loses single keys that way is not detected
+    (only the loss of its meta hash or of a lease is: docs/reliability.md). None when
+    it cannot (`noeviction`; `volatile-*` evicts only keys with a TTL, of which a pool
+    has one: its learned timing, relearned when lost) or when INFO is refused."""
+    try:
+        info = await client.info("memory")
+    except (RedisError, OSError):
+        return None
+    # A cluster client answers per node: {node: {field: value}}.
+    nested = bool(info) and all(isinstance(v, dict) for v in info.values())
+    for memory in info.values() if nested else [info]:
+        policy = str(memory.get("maxmemory_policy", ""))
+        if int(memory.get("maxmemory", 0) or 0) > 0 and policy.startswith("allkeys-"):
+            return (
+                f"Redis may evict any key at maxmemory (maxmemory-policy {policy}): a pool "
+                "that loses single keys keeps wrong counters undetected; run its Redis "
+                "with maxmemory-policy noeviction (or volatile-*)"
+            )
+    return None
+
+
 def _with_hiredis_packing(connection_class: type) -> type:
     return type(connection_class.__name__, (_HiredisPacking, connection_class), {})
 

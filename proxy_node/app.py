@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from coordinator import Coordinator
+from coordinator.connection import eviction_warning
 from coordinator.strategies import eligible, score_rows
 from coordinator.tasks import stop_task
 from proxy_node import control, hints, static
@@ -109,6 +110,9 @@ async def _coordinator_ctx(app: web.Application) -> AsyncIterator[None]:
             background=False,
         )
     coordinator = app[COORDINATOR]
+    warning = await eviction_warning(coordinator.redis)
+    if warning is not None:
+        log.warning("%s", warning)
     coordinator.start_background()
     app[METRICS] = NodeMetrics(coordinator.node_id, coordinator.pool, package_version())
     app[METRICS].bind(coordinator)

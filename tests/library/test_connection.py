@@ -9,8 +9,9 @@ import pytest
 from redis.asyncio.connection import Connection, UnixDomainSocketConnection
 from redis.exceptions import DataError
 
-from coordinator.connection import _with_hiredis_packing, connect_redis
+from coordinator.connection import _with_hiredis_packing, connect_redis, eviction_warning
 from coordinator.settings import Settings
+from tests.helpers import private_server
 
 COMMANDS: list[tuple[Any, ...]] = [
     ("EVALSHA", "e0e1f9fabfc9d4800c877a703b823ac0578ff8db", 2, b"lc:{p}:meta", "lc:{p}:x"),
@@ -49,3 +50,44 @@ async def test_connect_redis_keeps_the_connection_class_of_the_url(url: str, bas
         assert cls.pack_command is not base.pack_command
     finally:
         await client.aclose()
+
+
+@pytest.mark.real
+@pytest.mark.parametrize(
+    ("maxmemory", "policy", "warned"),
+    [
+        ("100mb", "allkeys-lru", True),
+        ("100mb", "allkeys-random", True),
+        ("100mb", "noeviction", False),
+        ("100mb", "volatile-lru", False),  # a pool's one key with a TTL: learned timing
+        ("0", "allkeys-lru", False),  # no limit: nothing is evicted
+    ],
+)
+async def test_an_evicting_server_is_warned_of(maxmemory: str, policy: str, warned: bool) -> None:
+    with private_server() as server:
+        client = connect_redis(server.url, Settings())
+        try:
+            await client.config_set("maxmemory", maxmemory)
+            await client.config_set("maxmemory-policy", policy)
+            warning = await eviction_warning(client)
+        finally:
+            await client.aclose()
+    assert (warning is not None) == warned
+    if warning is not None:
+        assert policy in warning and "noeviction" in warning
+
+
+@pytest.mark.real
+async def test_a_server_that_refuses_info_gets_no_warning() -> None:
+    with private_server() as server:
+        admin = connect_redis(server.url, Settings())
+        await admin.execute_command("ACL", "SETUSER", "plain", "on", ">pw", "~*", "+@all", "-info")
+        await admin.config_set("maxmemory", "100mb")
+        await admin.config_set("maxmemory-policy", "allkeys-lru")
+        limited = connect_redis(f"redis://plain:pw@127.0.0.1:{server.port}/0", Settings())
+        try:
+            assert await eviction_warning(limited) is None  # NOPERM: nothing to tell
+            assert await eviction_warning(admin) is not None
+        finally:
+            await limited.aclose()
+            await admin.aclose()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import io
 import json
+import logging
 import os
 import signal
 import sys
@@ -14,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from redis.asyncio import Redis
 
 from coordinator import InstanceSpec
 from coordinator.errors import InvalidArgumentError
@@ -23,7 +25,7 @@ from proxy_node.config import NodeConfig, instance_id_for
 from proxy_node.hints import live_node_ids, parse_engine_metrics, rendezvous_owner
 from proxy_node.views import instance_loads_view
 from tests.fake_engine import Harness, NodeServer, settled
-from tests.helpers import counters, wait_for
+from tests.helpers import counters, private_server, wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -446,3 +448,27 @@ async def test_serve_command_end_to_end(harness: Harness) -> None:
             await proc.wait()
         if proc.stderr is not None:
             await proc.stderr.read()
+
+
+@pytest.mark.real
+async def test_a_node_warns_at_start_when_redis_may_evict_pool_keys(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def warned() -> bool:
+        return any("may evict any key" in r.getMessage() for r in caplog.records)
+
+    with private_server() as server:
+        harness = Harness(server.url, "evicting")
+        admin = Redis.from_url(server.url)
+        try:
+            with caplog.at_level(logging.WARNING, logger="proxy_node.app"):
+                await harness.node()  # the server's default: noeviction
+                assert not warned()
+                await admin.config_set("maxmemory", "100mb")
+                await admin.config_set("maxmemory-policy", "allkeys-lru")
+                await harness.node()
+        finally:
+            await harness.close()
+            await admin.aclose()
+    assert warned()
+    assert any("allkeys-lru" in r.getMessage() for r in caplog.records)
