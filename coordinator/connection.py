@@ -80,7 +80,6 @@ class _HiredisPacking:
             return super().pack_command(*args)  # type: ignore[misc, no-any-return]
 
 
-@cache
 async def eviction_warning(client: Any) -> str | None:
     """What to warn an operator of when the server may evict any key: maxmemory set
     with an `allkeys-*` policy. A pool that loses single keys that way is not detected
@@ -104,6 +103,7 @@ async def eviction_warning(client: Any) -> str | None:
     return None
 
 
+@cache
 def _with_hiredis_packing(connection_class: type) -> type:
     return type(connection_class.__name__, (_HiredisPacking, connection_class), {})
 

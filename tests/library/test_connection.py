@@ -70,6 +70,7 @@ async def test_an_evicting_server_is_warned_of(maxmemory: str, policy: str, warn
             await client.config_set("maxmemory", maxmemory)
             await client.config_set("maxmemory-policy", policy)
             warning = await eviction_warning(client)
+            assert await eviction_warning(client) == warning  # asked again, the same
         finally:
             await client.aclose()
     assert (warning is not None) == warned
