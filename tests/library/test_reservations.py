@@ -33,6 +33,7 @@ from tests.helpers import (
     live_reservations,
     packed_counters,
     spec,
+    wait_for,
 )
 
 
@@ -204,7 +205,7 @@ async def test_max_slots_queue_policy_waits_for_a_slot(make_coordinator: MakeCoo
     await c.register_instance(spec(0, max_slots=1))
     a = await c.reserve(10, 10)
     waiter = asyncio.create_task(c.reserve(10, 10))
-    await asyncio.sleep(0.05)
+    await wait_for(lambda: c.stats.queue_waiting == 1, what="the reserve to queue for a slot")
     assert not waiter.done()
     await c.release(a.rid)
     b = await asyncio.wait_for(waiter, 5)
