@@ -29,6 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from coordinator.connection import close_redis, connect_redis
 from coordinator.errors import (
+    AccessRefusedError,
     CoordinationUnavailableError,
     EpochFencedError,
     InvalidArgumentError,
@@ -39,6 +40,7 @@ from coordinator.errors import (
     UnknownInstanceError,
     WriteRefusedError,
     from_response_error,
+    is_access_refused,
     is_server_busy,
     is_write_refused,
 )
@@ -331,7 +333,7 @@ class Coordinator:
             raise CoordinationUnavailableError("coordination is degraded")
         try:
             return await self._direct_call(name, args, extra_keys)
-        except (WriteRefusedError, ServerBusyError) as exc:
+        except (WriteRefusedError, ServerBusyError, AccessRefusedError) as exc:
             if isinstance(exc, WriteRefusedError):
                 self.stats.write_refusals += 1
             self._enter_degraded(exc)
@@ -1620,6 +1622,8 @@ class Coordinator:
                 raise WriteRefusedError(f"redis refuses writes: {exc}") from exc
             if is_server_busy(exc):
                 raise ServerBusyError(f"redis is busy: {exc}") from exc
+            if is_access_refused(exc):
+                raise AccessRefusedError(f"redis refuses this user: {exc}") from exc
             raise
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError, ResponseError
 
 
 class CoordinatorError(Exception):
@@ -56,6 +56,24 @@ def is_server_busy(exc: ResponseError) -> bool:
     caused error: BUSY ...")."""
     text = str(exc)
     return text.startswith("BUSY ") or " of pipeline caused error: BUSY " in text
+
+
+class AccessRefusedError(CoordinationUnavailableError):
+    """Redis refuses this user a command or key the node needs (NOPERM: its ACL rule
+    changed while the node ran, say): degrade, as when it refuses the login."""
+
+
+# How a refusal reads from inside a script: Redis 7.0 drops the NOPERM code.
+SCRIPT_ACCESS_REFUSED = "The user executing the script can't"
+
+
+def is_access_refused(exc: ResponseError) -> bool:
+    """Whether a Redis error reply is an ACL refusal: of the call itself (redis-py's
+    NoPermissionError), or of a command or key inside a script."""
+    if isinstance(exc, NoPermissionError):
+        return True
+    text = str(exc)
+    return SCRIPT_ACCESS_REFUSED in text or "NOPERM" in text.replace(":", " ").split()[:64]
 
 
 SCRIPT_ERROR_PREFIX = "LCERR "

@@ -9,11 +9,16 @@ from contextlib import suppress
 
 import pytest
 from redis.asyncio import Redis
-from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError, ResponseError
 
 from coordinator import Coordinator, EpochFencedError, Settings
 from coordinator.connection import connect_redis
-from coordinator.errors import CoordinationUnavailableError, is_server_busy, is_write_refused
+from coordinator.errors import (
+    CoordinationUnavailableError,
+    is_access_refused,
+    is_server_busy,
+    is_write_refused,
+)
 from local_fleet.embedded import EmbeddedRedis, free_port
 from tests.helpers import (
     assert_counters_match_reservations,
@@ -277,6 +282,52 @@ async def test_a_busy_server_degrades_loses_no_held_release_and_reconciles(
     records = await live_reservations(c)
     assert set(records) == {kept[0], kept[3], made[1].rid, made[2].rid}
     assert records[kept[0]]["phase"] == "decode"
+
+
+@pytest.mark.parametrize(
+    "revoked",
+    [
+        "-evalsha",  # the call itself: NoPermissionError
+        "-time",  # the first command every script runs: refused inside the script
+    ],
+)
+async def test_an_acl_that_stops_allowing_a_command_degrades_and_reconciles(
+    server: EmbeddedRedis, revoked: str
+) -> None:
+    """An ACL rule changed under a running node (NOPERM on a live connection): it
+    serves from its own counters instead of failing requests, and reconciles once the
+    rule allows it again."""
+    admin = Redis.from_url(server.url, decode_responses=True)
+    await admin.execute_command("ACL", "SETUSER", "node", "on", ">pw", "~*", "+@all")
+    url = f"redis://node:pw@127.0.0.1:{server.port}/0"
+    c = Coordinator(connect_redis(url, SETTINGS), pool="p", node_id="n1", settings=SETTINGS)
+    try:
+        for i in range(3):
+            await c.register_instance(spec(i))
+        kept = [(await c.reserve(100, 10)).rid for _ in range(3)]
+        await admin.execute_command("ACL", "SETUSER", "node", revoked)
+        made = [await c.reserve(100, 10) for _ in range(2)]
+        assert all(r.degraded for r in made)
+        assert c.coordination == "degraded"
+        assert await c.release(kept[0]) is True
+        await admin.execute_command("ACL", "SETUSER", "node", "+@all")
+        await wait_for(lambda: c.coordination == "ok", what="coordination to recover")
+        await assert_redis_equals_local(c)
+        assert set(await live_reservations(c)) == {kept[1], kept[2], *(r.rid for r in made)}
+    finally:
+        await c.close()
+        await admin.aclose()
+
+
+def test_acl_refusals_are_recognised() -> None:
+    assert is_access_refused(NoPermissionError("this user has no permissions to run 'x'"))
+    inside = ResponseError(
+        "The user executing the script can't run this command or subcommand script: "
+        "90f3, on @user_script:1."
+    )
+    assert is_access_refused(inside) and not is_write_refused(inside)
+    assert is_access_refused(ResponseError("ERR Error running script: NOPERM User u has no"))
+    assert not is_access_refused(ResponseError("ERR unknown command 'FOO'"))
 
 
 def test_busy_replies_are_recognised_and_are_no_write_refusal() -> None:
