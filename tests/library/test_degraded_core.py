@@ -288,7 +288,7 @@ async def test_a_busy_server_degrades_loses_no_held_release_and_reconciles(
     "revoked",
     [
         "-evalsha",  # the call itself: NoPermissionError
-        "-time",  # the first command every script runs: refused inside the script
+        "-time",  # refused inside the script, before reserve or release writes
     ],
 )
 async def test_an_acl_that_stops_allowing_a_command_degrades_and_reconciles(
