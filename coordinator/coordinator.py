@@ -29,20 +29,17 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from coordinator.connection import close_redis, connect_redis
 from coordinator.errors import (
-    AccessRefusedError,
     CoordinationUnavailableError,
     EpochFencedError,
     InvalidArgumentError,
     NoInstanceError,
     PoolFullError,
+    RedisRefusedError,
     ScriptArgumentError,
-    ServerBusyError,
     UnknownInstanceError,
     WriteRefusedError,
     from_response_error,
-    is_access_refused,
-    is_server_busy,
-    is_write_refused,
+    refusal,
 )
 from coordinator.fastrank import ColumnarPool
 from coordinator.guard import guard_bounds
@@ -333,7 +330,7 @@ class Coordinator:
             raise CoordinationUnavailableError("coordination is degraded")
         try:
             return await self._direct_call(name, args, extra_keys)
-        except (WriteRefusedError, ServerBusyError, AccessRefusedError) as exc:
+        except RedisRefusedError as exc:
             if isinstance(exc, WriteRefusedError):
                 self.stats.write_refusals += 1
             self._enter_degraded(exc)
@@ -1618,12 +1615,9 @@ class Coordinator:
             mapped = from_response_error(exc)
             if mapped is not None:
                 raise mapped from exc
-            if is_write_refused(exc):
-                raise WriteRefusedError(f"redis refuses writes: {exc}") from exc
-            if is_server_busy(exc):
-                raise ServerBusyError(f"redis is busy: {exc}") from exc
-            if is_access_refused(exc):
-                raise AccessRefusedError(f"redis refuses this user: {exc}") from exc
+            refused = refusal(exc)
+            if refused is not None:
+                raise refused from exc
             raise
 
 
