@@ -63,7 +63,7 @@ from coordinator.scripts import Scripts
 from coordinator.settings import STRATEGIES, Settings
 from coordinator.snapshot import PoolCache, Snapshot
 from coordinator.strategies import Ranking, RoundRobin, Score, crowded_last, eligible, rank
-from coordinator.tasks import raise_if_cancelling
+from coordinator.tasks import raise_if_cancelling, stop_task
 from coordinator.timing import (
     DEFAULT_OUTPUT_TOKENS,
     Observations,
@@ -295,9 +295,8 @@ class Coordinator:
             self._carry_flush = None
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with suppress(asyncio.CancelledError):
-                await task
+        for task in tasks:  # again if a cancel got swallowed (coordinator.tasks)
+            await stop_task(task)
         self._tasks.clear()
         self._recovery = None
         await close_redis(self.redis)
@@ -1573,6 +1572,7 @@ class Coordinator:
             except Exception:
                 raise_if_cancelling()
                 log.exception("merging learned timing failed")
+            raise_if_cancelling()  # redis-py may have swallowed our cancel (coordinator.tasks)
 
     async def _read_state(self, keys: list[Any], args: list[Any]) -> list[Any]:
         """read_state's view with `state` (and `live` when args[0] is 1) filled in by

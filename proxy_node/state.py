@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from coordinator import Coordinator
+from coordinator.tasks import stop_task
 from proxy_node.config import NodeConfig
 from proxy_node.health import PassiveHealth
 from proxy_node.metrics import NodeMetrics
@@ -57,9 +57,8 @@ class NodeState:
         for task in pending:
             task.cancel()
         for task in tasks:
-            # A helper's failure was already logged by the helper itself.
-            with suppress(asyncio.CancelledError, Exception):
-                await task
+            # Again if a cancel got swallowed; a helper's failure was logged by the helper.
+            await stop_task(task)
 
 
 STATE = web.AppKey("state", NodeState)

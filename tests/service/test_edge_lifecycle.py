@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 from redis.asyncio import Redis
 
-from coordinator import Coordinator
+from coordinator import Coordinator, Settings
 from coordinator.errors import CoordinationUnavailableError
 from coordinator.outliers import OutlierPolicy
 from local_fleet.embedded import free_port
@@ -142,6 +142,34 @@ async def test_the_lease_loop_ends_when_its_cancel_is_swallowed(redis_url: str, 
     coordinator.reap_expired = reap_expired  # type: ignore[method-assign]
     try:
         await ends_after_cancel(coordinator._lease_loop, swallower.entered)
+    finally:
+        await delete_pool(coordinator.redis, coordinator.settings.key_prefix, pool)
+        await coordinator.close()
+
+
+@pytest.mark.parametrize("after", ["returns", "unavailable"])
+async def test_the_timing_loop_ends_when_its_cancel_is_swallowed(
+    redis_url: str, pool: str, after: str
+) -> None:
+    """A merge whose Redis call swallowed the cancel and then succeeded (or found Redis
+    away) must not keep the loop going: a node's close() then waited for it forever and
+    the node never exited after SIGTERM (seen once in CI's graceful-drain test)."""
+    settings = Settings(timing_flush_ms=10)
+    coordinator = await Coordinator.connect(
+        redis_url, pool=pool, settings=settings, background=False
+    )
+    swallower = Swallower()
+
+    async def sync_timing() -> None:
+        try:
+            await swallower.call()
+        except ConnectionError:
+            if after == "unavailable":
+                raise CoordinationUnavailableError("redis went away") from None
+
+    coordinator.sync_timing = sync_timing  # type: ignore[method-assign]
+    try:
+        await ends_after_cancel(coordinator._timing_loop, swallower.entered)
     finally:
         await delete_pool(coordinator.redis, coordinator.settings.key_prefix, pool)
         await coordinator.close()
