@@ -174,6 +174,10 @@ class RawPool:
         index = (self.keys.prefix_index(),)
         return self.many("register", (([s.id, s.to_json(), s.max_slots, 0], index) for s in specs))
 
+    def lease(self, node: str, lease_ms: int = SETTINGS.lease_ms) -> None:
+        """Take (or renew) `node`'s lease, as the node's renew_lease would."""
+        self.many("renew_lease", [([node, lease_ms, "bench"], (self.keys.node_owner(node),))])
+
     def close(self) -> None:
         self.client.close()
 
@@ -670,7 +674,7 @@ def pipelined_cycles(url: str, pool: str, requests: int) -> dict[str, float]:
     raw = RawPool(url, pool)
     node = "piped"
     rids_key = raw.keys.node_rids(node)
-    raw.many("renew_lease", [([node, SETTINGS.lease_ms], ())])
+    raw.lease(node)
     rids = [f"piped-{i}" for i in range(requests)]
 
     def reserve_args(i: int, rid: str) -> list[Any]:
@@ -713,7 +717,7 @@ def reserve_breakdown(url: str, pool: str, calls: int) -> dict[str, float]:
     raw = RawPool(url, pool)
     node = "parts"
     rids_key = raw.keys.node_rids(node)
-    raw.many("renew_lease", [([node, SETTINGS.lease_ms], ())])
+    raw.lease(node)
 
     def args(i: int, rid: str, carried: list[str]) -> list[Any]:
         return piped_reserve_args(node, i, rid, 1, carried)
@@ -935,7 +939,7 @@ async def _stalls(url: str, scale: Scale) -> list[dict[str, Any]]:
     raw.register(instance_spec(i, max_slots=0) for i in range(scale.instances))
     holders = [f"holder-{k}" for k in range(4)]
     for holder in ("dead", *holders):
-        raw.many("renew_lease", [([holder, SETTINGS.lease_ms], ())])
+        raw.lease(holder)
 
     def restores(node: str, count: int, instance: Callable[[int], int], tag: str) -> None:
         nodes_key = keys.node_rids(node)
@@ -1052,7 +1056,7 @@ async def _stalls(url: str, scale: Scale) -> list[dict[str, Any]]:
     )
     await newcomer.close()
     # (c) Reap a dead node.
-    raw.many("renew_lease", [(["dead", 1], ())])
+    raw.lease("dead", 1)
     await asyncio.sleep(0.05)
     reaper = node("reaper")
     reaped = await op(

@@ -107,6 +107,8 @@ RESERVE_HEAD_ARGS = 12
 # sampled retry it would serve (PoolCache.reserve_token).
 LEAN_STATE_BYTES = 4096
 CANDIDATE_ARGS = 2
+# A node that finds its id shared logs it at most this often (it counts every time).
+NODE_ID_CONFLICT_LOG_S = 60.0
 # Reservations one reap_node call may release (40-115 us each at 10k instances: 50 took
 # 5.7 ms on a slow spell of this 2-core VM, so half that keeps a step below 5 ms).
 REAP_STEP = 25
@@ -151,6 +153,7 @@ class Stats:
     write_refusals: int = 0  # OOM / READONLY / MISCONF / NOREPLICAS replies
     unrestorable: int = 0  # reservations a re-assert could not restore
     carry_calls: int = 0  # held marks and releases sent in their own call (no reserve came)
+    node_id_conflicts: int = 0  # renewals that found another process renewed this lease
 
 
 # read_state's reply: a view (PoolCache.apply_view's fields), then the leased nodes.
@@ -231,6 +234,12 @@ class Coordinator:
         self._restoring_tail: asyncio.Event | None = None
         self._lease_lost = False  # seen expired while re-asserting: start over
         self._renewed_mono = 0.0
+        # This process's mark on its lease (lua/renew_lease.lua): another one found there
+        # after this process renewed means a second process runs under the same node id.
+        self._incarnation = os.urandom(8).hex()
+        self._renewed_own = False
+        self._shared_mono: float | None = None  # when that was last seen
+        self._shared_said_mono: float | None = None  # and last logged
         self._voids_left = 0  # instances with void records to sweep, per renew_lease
         self.on_reaped: Callable[[int], None] | None = None
         self.prefix = PrefixIndex(
@@ -1164,12 +1173,50 @@ class Coordinator:
         have reaped its reservations (a stall beyond the lease, or Redis lost the
         pool): the node re-asserts them, through degraded mode as after an outage.
         """
-        reply = await self._call("renew_lease", [self.node_id, self.settings.lease_ms])
-        self._lease_renewed(str(reply[0]))
+        reply = await self._call("renew_lease", *self._renew_args())
+        self._lease_renewed(reply)
         self._voids_left = int(reply[4])
         return [str(n) for n in reply[3] if str(n) != self.node_id]
 
-    def _lease_renewed(self, status: str) -> None:
+    def _renew_args(self) -> tuple[list[Any], tuple[str]]:
+        return (
+            [self.node_id, self.settings.lease_ms, self._incarnation],
+            (self.keys.node_owner(self.node_id),),
+        )
+
+    @property
+    def node_id_shared(self) -> bool:
+        """Whether another process renewed this node id's lease within the last three
+        leases: two processes run under one id (see _check_owner)."""
+        return (
+            self._shared_mono is not None
+            and time.monotonic() - self._shared_mono < 3 * self.settings.lease_ms / 1000
+        )
+
+    def _check_owner(self, previous: str) -> None:
+        """Another process renewed this node's lease since this one did: two processes
+        share the node id. Each one's start-up and re-asserts then release what the
+        other holds, so the pool undercounts its requests until one gets its own id."""
+        if not (self._renewed_own and previous and previous != self._incarnation):
+            self._renewed_own = True
+            return
+        self.stats.node_id_conflicts += 1
+        now = time.monotonic()
+        self._shared_mono = now
+        said = self._shared_said_mono
+        if said is None or now - said >= NODE_ID_CONFLICT_LOG_S:
+            self._shared_said_mono = now
+            log.error(
+                "node id %r is in use by another process too (it renewed this node's "
+                "lease after this process did): give every node its own id "
+                "(--node-id, COORD_NODE_ID); until then each one's start-up and "
+                "re-asserts release the other's reservations",
+                self.node_id,
+            )
+
+    def _lease_renewed(self, reply: list[Any]) -> None:
+        self._check_owner(as_text(reply[5]))
+        status = as_text(reply[0])
         lost = status != "ok" and self._leased
         self._leased = True
         self._renewed_mono = time.monotonic()
@@ -1247,8 +1294,8 @@ class Coordinator:
             await asyncio.sleep(period)
 
     async def _renew_directly(self) -> None:
-        reply = await self._direct_call("renew_lease", [self.node_id, self.settings.lease_ms])
-        self._lease_renewed(str(reply[0]))
+        reply = await self._direct_call("renew_lease", *self._renew_args())
+        self._lease_renewed(reply)
 
     # ------------------------------------------------------------------ degraded mode
 

@@ -71,6 +71,11 @@ class PoolKeys:
         """Set of reservation ids a node holds; the reaper drains it."""
         return f"{self.stem}:node:{node_id}:rids"
 
+    def node_owner(self, node_id: str) -> str:
+        """Hash whose `incarnation` names the process that renewed a node's lease
+        last; it expires with the lease (see lua/renew_lease.lua)."""
+        return f"{self.stem}:node:{node_id}:owner"
+
     def outliers(self) -> str:
         """Hash of passive-health state, "<id>:<field>" (see lua/record_outcome.lua)."""
         return f"{self.stem}:outliers"

@@ -203,6 +203,8 @@ async def healthz(request: web.Request) -> web.Response:
             "node_id": coordinator.node_id,
             "pool": coordinator.pool,
             "coordination": coordinator.coordination,
+            # another process renews this node id's lease too (docs/reliability.md)
+            "node_id_shared": coordinator.node_id_shared,
             # alive: the engine answered within the instance TTL (docs/reliability.md)
             "alive_instances": len(alive),
             "ejected_instances": sum(1 for row in alive if row.id in ejected),

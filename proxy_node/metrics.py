@@ -134,6 +134,12 @@ class PressureCollector(Collector):
                 stats.write_refusals,
             ),
             (
+                "proxy_coordination_node_id_conflicts",
+                "Lease renewals that found another process had renewed this node id's lease "
+                "(two processes share the id: give each node its own)",
+                stats.node_id_conflicts,
+            ),
+            (
                 "proxy_coordination_unrestorable",
                 "Reservations a re-assert could not restore (served, left uncounted)",
                 stats.unrestorable,

@@ -100,7 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--node-id",
         default=S,
-        help="this node's id in the pool [env COORD_NODE_ID; default: random per process]",
+        help="this node's id in the pool, one per process: a restart may reuse it (the "
+        "new process releases what the old one held), two live processes must not "
+        "[env COORD_NODE_ID; default: random per process]",
     )
     add(
         "--max-body-bytes",

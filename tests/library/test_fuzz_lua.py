@@ -126,7 +126,7 @@ LAYOUTS: dict[str, list[Any]] = {
     "release": [rids],
     "heartbeat": [ids, hint, hint, hint],
     "unregister": [ids],
-    "renew_lease": [ids, st.integers(1, 86_400_000).map(str)],
+    "renew_lease": [ids, st.integers(1, 86_400_000).map(str), ids],
     "reap_node": [ids, flags, st.integers(1, 5000).map(str)],
     "restore": [rids, ids, ids, st.integers(0, 3).map(str), phases, tokens, tokens, ms, ms],
     "record_outcome": [
@@ -306,6 +306,8 @@ def extra_keys(c: Coordinator, call: Call) -> list[str]:
         return [c.keys.node_rids(node if ID_RE.match(node) else NODE)]
     if call.name in ("reserve", "carry"):  # and the index records ride into
         return [c.keys.node_rids(NODE), c.keys.prefix_index()]
+    if call.name == "renew_lease":
+        return [c.keys.node_owner(NODE)]
     if call.name in ("release", "restore"):
         return [c.keys.node_rids(NODE)]
     if call.name == "record_outcome":
@@ -419,7 +421,7 @@ BASE_CALLS: dict[str, list[str]] = {
     "register": ["i0", spec_json("i0"), "0", "0"],
     "heartbeat": ["i0", "1.5", "", "2"],
     "unregister": ["i1"],
-    "renew_lease": [NODE, "600000"],
+    "renew_lease": [NODE, "600000", "p0"],
     "reap_node": ["n0", "0", "500"],
     "restore": ["r-new", NODE, "i0", "1", "prefill", "100", "10", "15", "20"],
     "record_outcome": ["i0", "fail", "1", "10000", "100", "1000", "50", "10000", "status_500"],

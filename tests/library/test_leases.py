@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import coordinator.coordinator as coordinator_module
 from coordinator import Coordinator, Settings
 from tests.conftest import MakeCoordinator
 from tests.helpers import (
@@ -187,6 +188,64 @@ async def test_background_loop_renews_and_reaps(make_coordinator: MakeCoordinato
     await assert_counters_match_reservations(c)
     # One lease loop and one learned-timing loop, however often it was started.
     assert [t.get_name() for t in c._tasks] == ["coordinator-lease", "coordinator-timing"]
+
+
+async def test_two_processes_under_one_node_id_are_told_apart(
+    make_coordinator: MakeCoordinator,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two live processes given the same node id (a copied compose service, say) each
+    see the other's mark on the lease they share: both count it and say it, once per
+    NODE_ID_CONFLICT_LOG_S however often they renew."""
+    a = await make_coordinator("node-dup", settings=LONG)
+    b = await make_coordinator("node-dup", settings=LONG)
+    await a.renew_lease()
+    await b.renew_lease()  # its first: a mark there may be a dead predecessor's
+    assert (b.stats.node_id_conflicts, b.node_id_shared) == (0, False)
+    for _ in range(3):
+        await a.renew_lease()
+        await b.renew_lease()
+    assert (a.stats.node_id_conflicts, b.stats.node_id_conflicts) == (3, 3)
+    assert a.node_id_shared and b.node_id_shared
+    said = [r for r in caplog.records if "in use by another process" in r.getMessage()]
+    assert [r.levelname for r in said] == ["ERROR", "ERROR"]
+    monkeypatch.setattr(coordinator_module, "NODE_ID_CONFLICT_LOG_S", 0.0)
+    await a.renew_lease()  # the interval passed: said again
+    said = [r for r in caplog.records if "in use by another process" in r.getMessage()]
+    assert len(said) == 3 and a.stats.node_id_conflicts == 4
+
+
+async def test_a_restart_under_its_old_id_is_not_a_shared_id(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """A process restarted under its predecessor's id (kill -9, then the same pod name)
+    finds the predecessor's mark on its first renewal, and its own after that."""
+    old = await make_coordinator("node-r", settings=LONG)
+    await old.renew_lease()
+    await old.renew_lease()
+    new = await make_coordinator("node-r", settings=LONG)  # old renews no more
+    for _ in range(3):
+        await new.renew_lease()
+    assert (old.stats.node_id_conflicts, new.stats.node_id_conflicts) == (0, 0)
+    assert not new.node_id_shared
+    owner = new.keys.node_owner("node-r")
+    assert await new.redis.hget(owner, "incarnation") == new._incarnation
+    assert 0 < await new.redis.pttl(owner) <= LONG.lease_ms
+
+
+async def test_a_lease_that_lapsed_is_not_a_shared_id(make_coordinator: MakeCoordinator) -> None:
+    """A node stalled past its lease finds no mark (it expired with the lease): a lost
+    lease, which it re-asserts, not a second process."""
+    c = await make_coordinator("node-s", settings=SHORT)
+    await c.renew_lease()
+
+    async def lapsed() -> bool:
+        return not await c.redis.exists(c.keys.node_owner("node-s"))
+
+    await wait_for(lapsed, what="the lease's mark to expire with it")
+    await c.renew_lease()
+    assert c.stats.node_id_conflicts == 0 and not c.node_id_shared
 
 
 @pytest.mark.parametrize("lease_ms", [1, 86_400_000])

@@ -129,3 +129,29 @@ async def test_two_nodes_spread_a_burst_evenly(harness: Harness) -> None:
         results = await asyncio.gather(*tasks)
     assert all(status == 200 for status, _ in results)
     await wait_for(lambda: settled(nodes[0].coordinator), what="counters back to 0")
+
+
+async def test_two_nodes_under_one_id_say_so(harness: Harness) -> None:
+    """Two nodes started with the same --node-id (a copied compose service) each report
+    it in /healthz and /metrics once their lease loops have renewed the lease they
+    share; a node with an id of its own reports nothing."""
+    twins = [await harness.coordinator("node-twin") for _ in range(2)]
+    nodes = [await harness.node(c) for c in twins]  # each renews as its loop starts
+    other = await harness.node(await harness.coordinator("node-other"))
+
+    async def said(node: NodeServer) -> tuple[bool, float]:
+        async with harness.http.get(node.url + "/healthz") as resp:
+            shared = bool((await resp.json())["node_id_shared"])
+        async with harness.http.get(node.url + "/metrics") as resp:
+            text = await resp.text()
+        name = "proxy_coordination_node_id_conflicts_total{"
+        line = next(row for row in text.splitlines() if row.startswith(name))
+        return shared, float(line.rpartition(" ")[2])
+
+    async def both_said() -> bool:
+        return all([(await said(node))[0] for node in nodes])
+
+    await wait_for(both_said, what="both twins to report the shared id")
+    for node in nodes:
+        assert (await said(node))[1] >= 1
+    assert await said(other) == (False, 0.0)

@@ -386,6 +386,7 @@ async def test_health_and_metrics_on_both_planes(harness: Harness) -> None:
             "node_id": node.coordinator.node_id,
             "pool": node.coordinator.pool,
             "coordination": "ok",
+            "node_id_shared": False,
             "alive_instances": 1,
             "ejected_instances": 0,
         }
