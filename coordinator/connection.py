@@ -17,7 +17,9 @@ from urllib.parse import unquote
 import hiredis
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from coordinator.errors import InvalidArgumentError
@@ -35,6 +37,12 @@ def connect_redis(url: str, settings: Settings) -> Any:
         "socket_timeout": timeout,
         "socket_connect_timeout": max(timeout, 0.5),
         "decode_responses": True,
+        # No transparent retry: a call that fails must reach the node, which degrades
+        # and re-asserts. The cluster client's default (10 retries, backing off) held
+        # a request for seconds when a primary died, and carried it on to a promoted
+        # replica as if nothing had happened, so the writes the replica never got
+        # (a release, say) were never repaired (docs/reliability.md).
+        "retry": Retry(NoBackoff(), 0),
     }
     if url.startswith("redis+cluster://"):
         user, password, hosts, _ = _split_multi(url)

@@ -222,7 +222,8 @@ def _info(client: redis.Redis, section: str) -> dict[str, Any]:
 
 
 class LocalRedisCluster(_Topology):
-    """N primaries, no replicas, slots split evenly; `url` is a redis+cluster:// URL."""
+    """N primaries, slots split evenly; `url` is a redis+cluster:// URL. Replicas are
+    added one by one (add_replica) and promoted by take_over."""
 
     def __init__(
         self,
@@ -242,6 +243,8 @@ class LocalRedisCluster(_Topology):
         self.full_coverage = full_coverage
         self.ranges: list[tuple[int, int]] = []
         self.bus_ports: list[int] = []
+        self.replicas: list[ServerProcess] = []
+        self.replaced: list[ServerProcess] = []  # primaries a replica took over from
 
     @property
     def primaries(self) -> list[ServerProcess]:
@@ -311,9 +314,60 @@ class LocalRedisCluster(_Topology):
             fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
             if fields.get("cluster_state") != "ok":
                 return False
-            if int(fields.get("cluster_known_nodes", 0)) != self.size:
+            met = self.size + len(self.replicas) + len(self.replaced)
+            if int(fields.get("cluster_known_nodes", 0)) != met:
                 return False
         return True
+
+    def add_replica(
+        self, primary: ServerProcess, timeout_s: float = SETUP_TIMEOUT_S
+    ) -> ServerProcess:
+        """Start a replica of `primary`; returns once its replication link is up."""
+        assert self._root is not None, "start() the cluster first"
+        bus = free_port()
+        name = f"replica{len(self.replicas)}"
+        replica = spawn(self.binary, self._root / name, self._node_args(bus))
+        self.replicas.append(replica)
+        with primary.client() as client:
+            primary_id = client.execute_command("CLUSTER", "MYID")
+            client.execute_command("CLUSTER", "MEET", "127.0.0.1", replica.port, bus)
+
+        def knows_primary() -> bool:
+            with replica.client() as client:
+                return primary_id in str(client.execute_command("CLUSTER", "NODES"))
+
+        wait_until(knows_primary, timeout_s, f"{name} to learn the cluster")
+        with replica.client() as client:
+            client.execute_command("CLUSTER", "REPLICATE", primary_id)
+
+        def linked() -> bool:
+            with replica.client() as client:
+                return _info(client, "replication").get("master_link_status") == "up"
+
+        wait_until(linked, timeout_s, f"{name}'s replication link")
+        wait_until(self.converged, timeout_s, "every node to know the replica")
+        return replica
+
+    def take_over(self, replica: ServerProcess, timeout_s: float = SETUP_TIMEOUT_S) -> None:
+        """Make `replica` the primary of its primary's slots now, whatever state that
+        primary is in (CLUSTER FAILOVER TAKEOVER: no agreement, no catch-up), as a
+        failover after a crash does; it then stands for that primary in `primaries`."""
+        with replica.client() as client:
+            client.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+
+        def promoted() -> bool:
+            with replica.client() as client:
+                return _info(client, "replication").get("role") == "master"
+
+        wait_until(promoted, timeout_s, "the replica to take over")
+        with replica.client() as client:
+            own = {int(r[0]) for r in client.execute_command("CLUSTER", "SLOTS")
+                   if int(r[2][1]) == replica.port}  # fmt: skip
+        index = next(i for i, (first, _) in enumerate(self.ranges) if first in own)
+        self.replaced.append(self.processes[index])
+        self.processes[index] = replica
+        self.replicas.remove(replica)
+        wait_until(self.converged, timeout_s, "cluster_state:ok after the take-over")
 
     def owner_of(self, key: str) -> ServerProcess:
         """The primary whose slot range holds `key`."""
@@ -322,6 +376,14 @@ class LocalRedisCluster(_Topology):
             if first <= slot <= last:
                 return server
         raise AssertionError(f"slot {slot} is not assigned")
+
+    def stop(self) -> None:
+        """Kill every process (replicas and replaced primaries too), remove every directory."""
+        for server in (*self.replicas, *self.replaced):
+            server.stop()
+        self.replicas.clear()
+        self.replaced.clear()
+        super().stop()
 
     def restart(self, server: ServerProcess, timeout_s: float = SETUP_TIMEOUT_S) -> ServerProcess:
         """Start a killed primary again on its port, from its nodes.conf (data is gone)."""
@@ -363,6 +425,7 @@ class LocalSentinel(_Topology):
         self.replica_args = list(replica_args)
         self.master: ServerProcess | None = None
         self.replicas: list[ServerProcess] = []
+        self.replaced: list[ServerProcess] = []  # primaries a replica took over from
         self.sentinels: list[ServerProcess] = []
 
     @property

@@ -248,6 +248,56 @@ async def test_losing_one_primary_degrades_only_its_pools() -> None:
         topology.stop()
 
 
+async def test_a_release_lost_in_a_replica_take_over_is_not_left_behind() -> None:
+    """A primary crashes with a release its replica never got (asynchronous
+    replication), and the replica takes over. The node's next call must fail and
+    degrade, not be retried onto the new primary by the cluster client as if nothing
+    happened: only the re-assert that follows releases what the new primary still
+    holds for the node and the node no longer does."""
+    topology = _start_cluster()
+    node: Coordinator | None = None
+    try:
+        pool = place_pools(topology, 1, "f").pools[0]
+        primary = topology.owner_of(PoolKeys("lc", pool).column("meta"))
+        replica = topology.add_replica(primary)
+        node = await Coordinator.connect(
+            topology.url, pool=pool, node_id="n1", settings=SETTINGS, background=False
+        )
+        await node.register_instance(spec(0))
+        kept = await node.reserve(10, 10)
+        gone = await node.reserve(10, 10)
+        with primary.client() as client:
+            assert client.wait(1, 2000) == 1  # the replica has every write so far
+        replica.pause()  # it cannot reconnect and catch up: writes now reach the primary only
+        with primary.client() as client:
+            client.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        assert await node.release(gone.rid) is True  # acknowledged by the old primary only
+        primary.kill()
+        replica.resume()
+        topology.take_over(replica)
+        assert gone.rid in await _records_on(replica.url, node)  # the lost release
+        await node.snapshot()  # the first call after the crash
+        assert node.coordination == "degraded"
+        await wait_for(lambda: node.coordination == "ok", what="the node to recover")
+        stored = await _records_on(replica.url, node)
+        assert kept.rid in stored
+        assert gone.rid not in stored, "a release the new primary never saw was left behind"
+        await assert_counters_match_reservations(node)
+    finally:
+        if node is not None:
+            await node.close()
+        topology.stop()
+
+
+async def _records_on(url: str, node: Coordinator) -> set[str]:
+    """The reservation ids one server holds for the node's pool."""
+    client = Redis.from_url(url, decode_responses=True)
+    try:
+        return set(await client.hkeys(node.keys.column("reservations")))
+    finally:
+        await client.aclose()
+
+
 async def test_two_proxy_nodes_over_the_cluster(
     cluster: LocalRedisCluster, placement: PoolPlacement
 ) -> None:
