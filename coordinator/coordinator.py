@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 from redis.exceptions import (
     BusyLoadingError,
-    ClusterDownError,
-    MasterDownError,
+    ClusterError,
     NoScriptError,
     RedisClusterException,
     ResponseError,
@@ -80,9 +79,10 @@ UNAVAILABLE = (
     RedisConnectionError,
     RedisTimeoutError,
     BusyLoadingError,
-    ClusterDownError,
+    # CLUSTERDOWN, MASTERDOWN (a Sentinel-watched replica's too), and "TTL exhausted":
+    # redirects that did not settle, as while the pool's slot migrates between shards
+    ClusterError,
     TryAgainError,
-    MasterDownError,
     RedisClusterException,
     OSError,
 )

@@ -245,6 +245,7 @@ class LocalRedisCluster(_Topology):
         self.bus_ports: list[int] = []
         self.replicas: list[ServerProcess] = []
         self.replaced: list[ServerProcess] = []  # primaries a replica took over from
+        self.moved: dict[int, ServerProcess] = {}  # slots migrated away from their range
 
     @property
     def primaries(self) -> list[ServerProcess]:
@@ -370,12 +371,51 @@ class LocalRedisCluster(_Topology):
         wait_until(self.converged, timeout_s, "cluster_state:ok after the take-over")
 
     def owner_of(self, key: str) -> ServerProcess:
-        """The primary whose slot range holds `key`."""
-        slot = key_slot(key.encode())
+        """The primary that holds `key`'s slot."""
+        return self.slot_owner(key_slot(key.encode()))
+
+    def slot_owner(self, slot: int) -> ServerProcess:
+        """The primary that holds `slot`: its range's, unless the slot migrated away."""
+        if slot in self.moved:
+            return self.moved[slot]
         for server, (first, last) in zip(self.processes, self.ranges, strict=True):
             if first <= slot <= last:
                 return server
         raise AssertionError(f"slot {slot} is not assigned")
+
+    def begin_migration(self, slot: int, target: ServerProcess) -> ServerProcess:
+        """Start moving `slot` to the primary `target`, as resharding does: its owner
+        MIGRATING, the target IMPORTING; keys then move with move_keys, and
+        end_migration gives the slot away. Returns the owner."""
+        source = self.slot_owner(slot)
+        with source.client() as client:
+            source_id = client.execute_command("CLUSTER", "MYID")
+        with target.client() as client:
+            target_id = client.execute_command("CLUSTER", "MYID")
+            client.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        with source.client() as client:
+            client.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+        return source
+
+    def move_keys(self, source: ServerProcess, target: ServerProcess, keys: list[str]) -> None:
+        """MIGRATE these keys of a migrating slot from `source` to `target`."""
+        if keys:
+            with source.client() as client:
+                client.execute_command(
+                    "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys
+                )
+
+    def end_migration(self, slot: int, source: ServerProcess, target: ServerProcess) -> None:
+        """Move the slot's remaining keys, then give the slot to `target` on every primary."""
+        with source.client() as client:
+            rest = client.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100_000)
+        self.move_keys(source, target, list(rest))
+        with target.client() as client:
+            target_id = client.execute_command("CLUSTER", "MYID")
+        for primary in self.processes:
+            with primary.client() as client:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        self.moved[slot] = target
 
     def stop(self) -> None:
         """Kill every process (replicas and replaced primaries too), remove every directory."""
@@ -426,6 +466,7 @@ class LocalSentinel(_Topology):
         self.master: ServerProcess | None = None
         self.replicas: list[ServerProcess] = []
         self.replaced: list[ServerProcess] = []  # primaries a replica took over from
+        self.moved: dict[int, ServerProcess] = {}  # slots migrated away from their range
         self.sentinels: list[ServerProcess] = []
 
     @property

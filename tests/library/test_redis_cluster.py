@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.crc import key_slot
 
 from coordinator import Coordinator, EpochFencedError, InstanceSpec, Settings
 from coordinator.keys import PoolKeys
@@ -282,6 +283,48 @@ async def test_a_release_lost_in_a_replica_take_over_is_not_left_behind() -> Non
         stored = await _records_on(replica.url, node)
         assert kept.rid in stored
         assert gone.rid not in stored, "a release the new primary never saw was left behind"
+        await assert_counters_match_reservations(node)
+    finally:
+        if node is not None:
+            await node.close()
+        topology.stop()
+
+
+async def test_a_pool_whose_slot_migrates_is_served_throughout() -> None:
+    """Resharding moves the pool's slot to another primary while the node serves. While
+    the pool's keys are split between the two (here: `meta` moved first), every
+    script call is redirected back and forth until redis-py gives up ("TTL
+    exhausted"): the node must degrade and serve from its own counters, not fail the
+    request; once the slot has moved, it re-asserts on the new owner."""
+    topology = _start_cluster()
+    node: Coordinator | None = None
+    try:
+        pool = place_pools(topology, 1, "m").pools[0]
+        node = await Coordinator.connect(
+            topology.url, pool=pool, node_id="n1", settings=SETTINGS, background=False
+        )
+        for i in range(3):
+            await node.register_instance(spec(i))
+        held = [(await node.reserve(10, 10)).rid for _ in range(6)]
+        meta = node.keys.column("meta")
+        slot = key_slot(meta.encode())
+        target = next(p for p in topology.primaries if p is not topology.owner_of(meta))
+        source = topology.begin_migration(slot, target)
+        topology.move_keys(source, target, [meta])
+        for _ in range(4):  # each one served, none failed
+            res = await node.reserve(10, 10)
+            held.append(res.rid)
+            node.release_soon(held.pop(0))
+        assert res.degraded and node.coordination == "degraded"
+        topology.end_migration(slot, source, target)
+        await wait_for(lambda: node.coordination == "ok", what="the node to recover")
+        for _ in range(4):
+            res = await node.reserve(10, 10)
+            held.append(res.rid)
+            node.release_soon(held.pop(0))
+        await node.flush_carried()
+        assert not res.degraded
+        assert await _records_on(target.url, node) == set(held) == set(node.local_reservations)
         await assert_counters_match_reservations(node)
     finally:
         if node is not None:
