@@ -1712,7 +1712,7 @@ def render(r: Results) -> str:
         "",
         "Related tests: `pytest tests/library/test_redis_cluster.py` (a 3-primary cluster: pools on",
         "different shards, the invariants, NOSCRIPT after SCRIPT FLUSH on every primary,",
-        "losing one primary, a replica taking over from a crashed primary, a pool's slot",
+        "losing one primary, a planned failover, a replica taking over from a crashed primary, a pool's slot",
         "migrating, two proxy nodes) and",
         "`pytest tests/library/test_sentinel.py -s` (the failover under streaming load; it prints",
         "the gap).",

@@ -41,7 +41,9 @@ def connect_redis(url: str, settings: Settings) -> Any:
         # and re-asserts. The cluster client's default (10 retries, backing off) held
         # a request for seconds when a primary died, and carried it on to a promoted
         # replica as if nothing had happened, so the writes the replica never got
-        # (a release, say) were never repaired (docs/reliability.md).
+        # (a release, say) were never repaired (docs/reliability.md). MOVED and ASK
+        # are still followed: in a call, by the cluster client's own redirect loop;
+        # in read_state's MULTI/EXEC, by Coordinator._read_state sending it again.
         "retry": Retry(NoBackoff(), 0),
     }
     if url.startswith("redis+cluster://"):

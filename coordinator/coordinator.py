@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 from redis.exceptions import (
+    AskError,
     BusyLoadingError,
     ClusterError,
     NoScriptError,
@@ -83,11 +84,13 @@ UNAVAILABLE = (
     # redirects that did not settle, as while the pool's slot migrates between shards
     ClusterError,
     TryAgainError,
+    AskError,  # and MovedError: a redirect that kept failing (see _read_state)
     RedisClusterException,
     OSError,
 )
 MAX_TOKENS = 10_000_000
 NOSCRIPT_RETRIES = 3  # extra loads when scripts are flushed again mid-call
+REDIRECT_RETRIES = 2  # read_state sent again after MOVED or ASK (Redis Cluster)
 SPEC_READ_STEP = 250  # instances per read_specs call: about 2 ms at 10k instances
 # Void records one sweep call may delete (3-12 us each: 500 took 5.8 ms on a slow spell).
 SWEEP_STEP = 250
@@ -1627,13 +1630,22 @@ class Coordinator:
         but the strings do not go through Lua, where a GET of 24 KB (the state of
         1,024 instances) costs the server about 15x the instructions of a direct GET
         (bench/instructions.py). The script itself takes no argument."""
-        pipe = self.redis.pipeline(transaction=True)
-        # Not pipe.evalsha: redis-py's cluster pipeline refuses that method by name.
-        pipe.execute_command("EVALSHA", self.scripts["read_state"].sha, len(keys), *keys)
         gets = read_state_gets(keys, args)
-        for key in gets:
-            pipe.get(key)
-        head, *values = await pipe.execute()
+        for attempt in range(REDIRECT_RETRIES + 1):
+            pipe = self.redis.pipeline(transaction=True)
+            # Not pipe.evalsha: redis-py's cluster pipeline refuses that method by name.
+            pipe.execute_command("EVALSHA", self.scripts["read_state"].sha, len(keys), *keys)
+            for key in gets:
+                pipe.get(key)
+            try:
+                head, *values = await pipe.execute()
+                break
+            except AskError:  # MOVED is one too
+                # The pool's slot moved (a failover, resharding). redis-py's cluster
+                # pipeline follows that only by retrying, which connect_redis turns off:
+                # it has patched its slot map, so send the read again.
+                if attempt == REDIRECT_RETRIES:
+                    raise
         reply = list(head)
         reply[3] = values[0] or b""
         if len(gets) > 1:

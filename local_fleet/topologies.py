@@ -353,8 +353,17 @@ class LocalRedisCluster(_Topology):
         """Make `replica` the primary of its primary's slots now, whatever state that
         primary is in (CLUSTER FAILOVER TAKEOVER: no agreement, no catch-up), as a
         failover after a crash does; it then stands for that primary in `primaries`."""
+        self._promote(replica, "TAKEOVER", timeout_s)
+
+    def fail_over(self, replica: ServerProcess, timeout_s: float = SETUP_TIMEOUT_S) -> None:
+        """Switch `replica` and its live primary (CLUSTER FAILOVER: the replica catches
+        up first, nothing is lost), as an operator's planned failover does; the old
+        primary stays as its replica."""
+        self._promote(replica, None, timeout_s)
+
+    def _promote(self, replica: ServerProcess, how: str | None, timeout_s: float) -> None:
         with replica.client() as client:
-            client.execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+            client.execute_command("CLUSTER", "FAILOVER", *([how] if how else []))
 
         def promoted() -> bool:
             with replica.client() as client:
@@ -365,9 +374,13 @@ class LocalRedisCluster(_Topology):
             own = {int(r[0]) for r in client.execute_command("CLUSTER", "SLOTS")
                    if int(r[2][1]) == replica.port}  # fmt: skip
         index = next(i for i, (first, _) in enumerate(self.ranges) if first in own)
-        self.replaced.append(self.processes[index])
+        old = self.processes[index]
         self.processes[index] = replica
         self.replicas.remove(replica)
+        if how is None and old.alive:  # a planned switch: the old primary replicates now
+            self.replicas.append(old)
+        else:
+            self.replaced.append(old)
         wait_until(self.converged, timeout_s, "cluster_state:ok after the take-over")
 
     def owner_of(self, key: str) -> ServerProcess:

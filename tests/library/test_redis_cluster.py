@@ -290,6 +290,40 @@ async def test_a_release_lost_in_a_replica_take_over_is_not_left_behind() -> Non
         topology.stop()
 
 
+async def test_a_manual_failover_is_followed_without_degrading() -> None:
+    """A replica promoted with CLUSTER FAILOVER (an operator's planned switch: it
+    catches up first, so nothing is lost) answers the node's calls after the old
+    primary answers them MOVED. The node follows, in scripts and in read_state's
+    MULTI/EXEC alike, without failing a call or degrading."""
+    topology = _start_cluster()
+    node: Coordinator | None = None
+    try:
+        pool = place_pools(topology, 1, "g").pools[0]
+        primary = topology.owner_of(PoolKeys("lc", pool).column("meta"))
+        replica = topology.add_replica(primary)
+        node = await Coordinator.connect(
+            topology.url, pool=pool, node_id="n1", settings=SETTINGS, background=False
+        )
+        for i in range(3):
+            await node.register_instance(spec(i))
+        held = [(await node.reserve(10, 10)).rid for _ in range(4)]
+        topology.fail_over(replica)
+        await node.refresh(live=True)  # read_state: its MULTI/EXEC meets MOVED
+        for _ in range(4):  # reserve: its script meets MOVED
+            res = await node.reserve(10, 10)
+            held.append(res.rid)
+            node.release_soon(held.pop(0))
+        await node.flush_carried()
+        assert not res.degraded and node.coordination == "ok"
+        assert node.stats.degraded_entries == 0
+        assert await _records_on(replica.url, node) == set(held)
+        await assert_counters_match_reservations(node)
+    finally:
+        if node is not None:
+            await node.close()
+        topology.stop()
+
+
 async def test_a_pool_whose_slot_migrates_is_served_throughout() -> None:
     """Resharding moves the pool's slot to another primary while the node serves. While
     the pool's keys are split between the two (here: `meta` moved first), every
