@@ -23,6 +23,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from coordinator.errors import InvalidArgumentError
+from coordinator.server_identity import ServerIdentity
 from coordinator.settings import Settings
 
 SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "redis+sentinel://")
@@ -68,10 +69,17 @@ def connect_redis(url: str, settings: Settings) -> Any:
             db=db,
             **options,
         )
-        master = sentinel.master_for(parts[0])
+        identity = ServerIdentity()
+        master = sentinel.master_for(parts[0], redis_connect_func=identity.on_connect)
         master._coordinator_sentinel = sentinel  # closed with it: see close_redis()
+        master._coordinator_identity = identity
         return _packed_by_hiredis(master)
-    return _packed_by_hiredis(Redis.from_url(url, health_check_interval=0, **options))
+    identity = ServerIdentity()
+    client: Any = Redis.from_url(
+        url, health_check_interval=0, redis_connect_func=identity.on_connect, **options
+    )
+    client._coordinator_identity = identity
+    return _packed_by_hiredis(client)
 
 
 class _HiredisPacking:

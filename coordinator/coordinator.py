@@ -60,6 +60,7 @@ from coordinator.prefix import cheap_copy_tokens, guarded_cached_tokens, idle_fl
 from coordinator.prefix_index import PrefixIndex
 from coordinator.pressure import instance_load
 from coordinator.scripts import Scripts
+from coordinator.server_identity import identity_of
 from coordinator.settings import STRATEGIES, Settings
 from coordinator.snapshot import PoolCache, Snapshot
 from coordinator.strategies import Ranking, RoundRobin, Score, crowded_last, eligible, rank
@@ -157,6 +158,7 @@ class Stats:
     unrestorable: int = 0  # reservations a re-assert could not restore
     carry_calls: int = 0  # held marks and releases sent in their own call (no reserve came)
     node_id_conflicts: int = 0  # renewals that found another process renewed this lease
+    server_changes: int = 0  # calls that reached another Redis server process: re-asserted
 
 
 # read_state's reply: a view (PoolCache.apply_view's fields), then the leased nodes.
@@ -240,6 +242,9 @@ class Coordinator:
         # This process's mark on its lease (lua/renew_lease.lua): another one found there
         # after this process renewed means a second process runs under the same node id.
         self._incarnation = os.urandom(8).hex()
+        # The Redis server process this node's calls reach (None: not told apart).
+        self._identity = identity_of(redis)
+        self._server_changes = self._identity.changes if self._identity else 0
         self._renewed_own = False
         self._shared_mono: float | None = None  # when that was last seen
         self._shared_said_mono: float | None = None  # and last logged
@@ -349,6 +354,21 @@ class Coordinator:
         except UNAVAILABLE as exc:
             self._enter_degraded(exc)
             raise CoordinationUnavailableError(str(exc)) from exc
+        finally:
+            self._check_server()
+
+    def _check_server(self) -> None:
+        """Re-assert when the client reached another Redis server process since the
+        last call (coordinator/server_identity.py): a restart from persistence files
+        or a failover, which may have lost this node's latest writes."""
+        identity = self._identity
+        if identity is None or identity.changes == self._server_changes:
+            return
+        self._server_changes = identity.changes
+        self.stats.server_changes += 1
+        self._enter_degraded(
+            "redis is another server process now (a restart or a failover): re-asserting"
+        )
 
     def _enter_degraded(self, cause: object) -> None:
         """Serve from local state and re-assert it in the background (DESIGN.md §5)."""
@@ -1327,6 +1347,8 @@ class Coordinator:
             # No await between the last check in _reassert_all and this switch:
             # nothing can slip by.
             self._degraded = False
+            if self._identity is not None:  # the server it re-asserted to, its calls
+                self._server_changes = self._identity.changes  # reached (and repaired)
         finally:
             self._reasserting = False
             hold, self._restoring_tail = self._restoring_tail, None

@@ -557,6 +557,23 @@ class LocalSentinel(_Topology):
                 return False
         return True
 
+    def all_name_master(self, port: int) -> bool:
+        """Whether every live sentinel names the server on `port` as a master it sees
+        up, as a client asking any one of them would be told."""
+        for sentinel in self.sentinels:
+            if not sentinel.alive:
+                continue
+            try:
+                with sentinel.client(0.5) as client:
+                    state = client.sentinel_master(self.master_name)
+            except redis.RedisError:
+                return False
+            if int(state.get("port", 0)) != port or state.get("is_master") is not True:
+                return False
+            if state.get("is_sdown") or state.get("is_odown"):
+                return False
+        return True
+
     def master_port(self) -> int | None:
         """The master's port as the first answering sentinel reports it."""
         for sentinel in self.sentinels:

@@ -129,6 +129,12 @@ class PressureCollector(Collector):
                 stats.pool_losses,
             ),
             (
+                "proxy_coordination_server_changes",
+                "Calls that reached another Redis server process than the last (a restart "
+                "or failover the client followed silently): re-asserted",
+                stats.server_changes,
+            ),
+            (
                 "proxy_coordination_write_refusals",
                 "Redis replies refusing a write (OOM, READONLY, MISCONF, NOREPLICAS)",
                 stats.write_refusals,

@@ -316,3 +316,41 @@ async def test_release_lost_in_failover_is_not_left_behind(
         assert gone.rid not in stored, "a release the new master never saw was left behind"
     finally:
         await node.close()
+
+
+async def test_release_lost_in_a_failover_the_idle_node_slept_through_is_repaired(
+    sentinel: LocalSentinel, pool: str
+) -> None:
+    """The same lost release, but the node makes no call until the sentinels have
+    promoted the replica: its client then connects to the new master without an
+    error (it asks the sentinels again for every new connection), and only the new
+    server's `run_id` tells the node to re-assert (coordinator/server_identity.py)."""
+    settings = Settings(**NODE_SETTINGS)
+    node = await Coordinator.connect(
+        sentinel.url, pool=pool, node_id="n1", settings=settings, background=False
+    )
+    try:
+        await node.register_instance(spec(0))
+        kept = await node.reserve(10, 10)
+        gone = await node.reserve(10, 10)
+        assert sentinel.master is not None
+        with sentinel.master.client() as client:
+            assert client.wait(1, 2000) == 1
+        sentinel.isolate_replicas()
+        assert await node.release(gone.rid) is True  # acknowledged by the old master only
+        sentinel.crash_master()
+        replica = sentinel.replicas[0]
+        await wait_for(
+            lambda: sentinel.all_name_master(replica.port), timeout_s=20, what="the promotion"
+        )
+        # Idle meanwhile: redis-py drops the dead connection when it next takes it
+        # from the pool; dropping it here makes the next call's reconnect the silent one.
+        await node.redis.connection_pool.disconnect()
+        later = await node.reserve(10, 10)  # its first call reaches the new master
+        assert node.stats.server_changes == 1
+        await wait_for(lambda: node.coordination == "ok", timeout_s=20, what="recovery")
+        stored = await records_on(replica.url, node)
+        assert set(stored) == {kept.rid, later.rid}, "a release the new master never saw"
+        await assert_counters_match_reservations(node)
+    finally:
+        await node.close()
