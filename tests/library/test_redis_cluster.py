@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -78,6 +79,34 @@ async def make_node(cluster: LocalRedisCluster) -> AsyncIterator[MakeNode]:
                 await delete_pool(client, "lc", pool)
             finally:
                 await client.aclose()
+
+
+@dataclass
+class OwnCluster:
+    """A cluster of one test's own (it kills, promotes or reshards), one pool on it,
+    and the test's node on that pool once connected."""
+
+    topology: LocalRedisCluster
+    pool: str
+    node: Coordinator | None = None
+
+    async def connect(self) -> Coordinator:
+        self.node = await Coordinator.connect(
+            self.topology.url, pool=self.pool, node_id="n1", settings=SETTINGS, background=False
+        )
+        return self.node
+
+
+@pytest.fixture
+async def own_cluster() -> AsyncIterator[OwnCluster]:
+    topology = _start_cluster()
+    own = OwnCluster(topology, place_pools(topology, 1, "o").pools[0])
+    try:
+        yield own
+    finally:
+        if own.node is not None:
+            await own.node.close()
+        topology.stop()
 
 
 async def _keys_by_port(cluster: LocalRedisCluster, pattern: str) -> dict[int, set[str]]:
@@ -249,121 +278,96 @@ async def test_losing_one_primary_degrades_only_its_pools() -> None:
         topology.stop()
 
 
-async def test_a_release_lost_in_a_replica_take_over_is_not_left_behind() -> None:
+async def test_a_release_lost_in_a_replica_take_over_is_not_left_behind(
+    own_cluster: OwnCluster,
+) -> None:
     """A primary crashes with a release its replica never got (asynchronous
     replication), and the replica takes over. The node's next call must fail and
     degrade, not be retried onto the new primary by the cluster client as if nothing
     happened: only the re-assert that follows releases what the new primary still
     holds for the node and the node no longer does."""
-    topology = _start_cluster()
-    node: Coordinator | None = None
-    try:
-        pool = place_pools(topology, 1, "f").pools[0]
-        primary = topology.owner_of(PoolKeys("lc", pool).column("meta"))
-        replica = topology.add_replica(primary)
-        node = await Coordinator.connect(
-            topology.url, pool=pool, node_id="n1", settings=SETTINGS, background=False
-        )
-        await node.register_instance(spec(0))
-        kept = await node.reserve(10, 10)
-        gone = await node.reserve(10, 10)
-        with primary.client() as client:
-            assert client.wait(1, 2000) == 1  # the replica has every write so far
-        replica.pause()  # it cannot reconnect and catch up: writes now reach the primary only
-        with primary.client() as client:
-            client.execute_command("CLIENT", "KILL", "TYPE", "replica")
-        assert await node.release(gone.rid) is True  # acknowledged by the old primary only
-        primary.kill()
-        replica.resume()
-        topology.take_over(replica)
-        assert gone.rid in await _records_on(replica.url, node)  # the lost release
-        await node.snapshot()  # the first call after the crash
-        assert node.coordination == "degraded"
-        await wait_for(lambda: node.coordination == "ok", what="the node to recover")
-        stored = await _records_on(replica.url, node)
-        assert kept.rid in stored
-        assert gone.rid not in stored, "a release the new primary never saw was left behind"
-        await assert_counters_match_reservations(node)
-    finally:
-        if node is not None:
-            await node.close()
-        topology.stop()
+    topology = own_cluster.topology
+    primary = topology.owner_of(PoolKeys("lc", own_cluster.pool).column("meta"))
+    replica = topology.add_replica(primary)
+    node = await own_cluster.connect()
+    await node.register_instance(spec(0))
+    kept = await node.reserve(10, 10)
+    gone = await node.reserve(10, 10)
+    with primary.client() as client:
+        assert client.wait(1, 2000) == 1  # the replica has every write so far
+    replica.pause()  # it cannot reconnect and catch up: writes now reach the primary only
+    with primary.client() as client:
+        client.execute_command("CLIENT", "KILL", "TYPE", "replica")
+    assert await node.release(gone.rid) is True  # acknowledged by the old primary only
+    primary.kill()
+    replica.resume()
+    topology.take_over(replica)
+    assert gone.rid in await _records_on(replica.url, node)  # the lost release
+    await node.snapshot()  # the first call after the crash
+    assert node.coordination == "degraded"
+    await wait_for(lambda: node.coordination == "ok", what="the node to recover")
+    stored = await _records_on(replica.url, node)
+    assert kept.rid in stored
+    assert gone.rid not in stored, "a release the new primary never saw was left behind"
+    await assert_counters_match_reservations(node)
 
 
-async def test_a_manual_failover_is_followed_without_degrading() -> None:
+async def test_a_manual_failover_is_followed_without_degrading(own_cluster: OwnCluster) -> None:
     """A replica promoted with CLUSTER FAILOVER (an operator's planned switch: it
     catches up first, so nothing is lost) answers the node's calls after the old
     primary answers them MOVED. The node follows, in scripts and in read_state's
     MULTI/EXEC alike, without failing a call or degrading."""
-    topology = _start_cluster()
-    node: Coordinator | None = None
-    try:
-        pool = place_pools(topology, 1, "g").pools[0]
-        primary = topology.owner_of(PoolKeys("lc", pool).column("meta"))
-        replica = topology.add_replica(primary)
-        node = await Coordinator.connect(
-            topology.url, pool=pool, node_id="n1", settings=SETTINGS, background=False
-        )
-        for i in range(3):
-            await node.register_instance(spec(i))
-        held = [(await node.reserve(10, 10)).rid for _ in range(4)]
-        topology.fail_over(replica)
-        await node.refresh(live=True)  # read_state: its MULTI/EXEC meets MOVED
-        for _ in range(4):  # reserve: its script meets MOVED
-            res = await node.reserve(10, 10)
-            held.append(res.rid)
-            node.release_soon(held.pop(0))
-        await node.flush_carried()
-        assert not res.degraded and node.coordination == "ok"
-        assert node.stats.degraded_entries == 0
-        assert await _records_on(replica.url, node) == set(held)
-        await assert_counters_match_reservations(node)
-    finally:
-        if node is not None:
-            await node.close()
-        topology.stop()
+    topology = own_cluster.topology
+    primary = topology.owner_of(PoolKeys("lc", own_cluster.pool).column("meta"))
+    replica = topology.add_replica(primary)
+    node = await own_cluster.connect()
+    for i in range(3):
+        await node.register_instance(spec(i))
+    held = [(await node.reserve(10, 10)).rid for _ in range(4)]
+    topology.fail_over(replica)
+    await node.refresh(live=True)  # read_state: its MULTI/EXEC meets MOVED
+    for _ in range(4):  # reserve: its script meets MOVED
+        res = await node.reserve(10, 10)
+        held.append(res.rid)
+        node.release_soon(held.pop(0))
+    await node.flush_carried()
+    assert not res.degraded and node.coordination == "ok"
+    assert node.stats.degraded_entries == 0
+    assert await _records_on(replica.url, node) == set(held)
+    await assert_counters_match_reservations(node)
 
 
-async def test_a_pool_whose_slot_migrates_is_served_throughout() -> None:
+async def test_a_pool_whose_slot_migrates_is_served_throughout(own_cluster: OwnCluster) -> None:
     """Resharding moves the pool's slot to another primary while the node serves. While
     the pool's keys are split between the two (here: `meta` moved first), every
     script call is redirected back and forth until redis-py gives up ("TTL
     exhausted"): the node must degrade and serve from its own counters, not fail the
     request; once the slot has moved, it re-asserts on the new owner."""
-    topology = _start_cluster()
-    node: Coordinator | None = None
-    try:
-        pool = place_pools(topology, 1, "m").pools[0]
-        node = await Coordinator.connect(
-            topology.url, pool=pool, node_id="n1", settings=SETTINGS, background=False
-        )
-        for i in range(3):
-            await node.register_instance(spec(i))
-        held = [(await node.reserve(10, 10)).rid for _ in range(6)]
-        meta = node.keys.column("meta")
-        slot = key_slot(meta.encode())
-        target = next(p for p in topology.primaries if p is not topology.owner_of(meta))
-        source = topology.begin_migration(slot, target)
-        topology.move_keys(source, target, [meta])
-        for _ in range(4):  # each one served, none failed
-            res = await node.reserve(10, 10)
-            held.append(res.rid)
-            node.release_soon(held.pop(0))
-        assert res.degraded and node.coordination == "degraded"
-        topology.end_migration(slot, source, target)
-        await wait_for(lambda: node.coordination == "ok", what="the node to recover")
-        for _ in range(4):
-            res = await node.reserve(10, 10)
-            held.append(res.rid)
-            node.release_soon(held.pop(0))
-        await node.flush_carried()
-        assert not res.degraded
-        assert await _records_on(target.url, node) == set(held) == set(node.local_reservations)
-        await assert_counters_match_reservations(node)
-    finally:
-        if node is not None:
-            await node.close()
-        topology.stop()
+    topology = own_cluster.topology
+    node = await own_cluster.connect()
+    for i in range(3):
+        await node.register_instance(spec(i))
+    held = [(await node.reserve(10, 10)).rid for _ in range(6)]
+    meta = node.keys.column("meta")
+    slot = key_slot(meta.encode())
+    target = next(p for p in topology.primaries if p is not topology.owner_of(meta))
+    source = topology.begin_migration(slot, target)
+    topology.move_keys(source, target, [meta])
+    for _ in range(4):  # each one served, none failed
+        res = await node.reserve(10, 10)
+        held.append(res.rid)
+        node.release_soon(held.pop(0))
+    assert res.degraded and node.coordination == "degraded"
+    topology.end_migration(slot, source, target)
+    await wait_for(lambda: node.coordination == "ok", what="the node to recover")
+    for _ in range(4):
+        res = await node.reserve(10, 10)
+        held.append(res.rid)
+        node.release_soon(held.pop(0))
+    await node.flush_carried()
+    assert not res.degraded
+    assert await _records_on(target.url, node) == set(held) == set(node.local_reservations)
+    await assert_counters_match_reservations(node)
 
 
 async def _records_on(url: str, node: Coordinator) -> set[str]:

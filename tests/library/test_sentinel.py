@@ -291,40 +291,16 @@ async def test_failover_under_streaming_load(
     await wait_for(lambda: settled(coordinators[0]), timeout_s=5, what="every counter at 0")
 
 
+@pytest.mark.parametrize("slept_through", [False, True], ids=["call_meets_crash", "idle"])
 async def test_release_lost_in_failover_is_not_left_behind(
-    sentinel: LocalSentinel, pool: str
+    sentinel: LocalSentinel, pool: str, slept_through: bool
 ) -> None:
-    settings = Settings(**NODE_SETTINGS)
-    node = await Coordinator.connect(
-        sentinel.url, pool=pool, node_id="n1", settings=settings, background=False
-    )
-    try:
-        await node.register_instance(spec(0))
-        kept = await node.reserve(10, 10)
-        gone = await node.reserve(10, 10)
-        assert sentinel.master is not None
-        with sentinel.master.client() as client:
-            assert client.wait(1, 2000) == 1
-        sentinel.isolate_replicas()
-        assert await node.release(gone.rid) is True  # acknowledged by the old master only
-        sentinel.crash_master()
-        await node.snapshot()  # the first call after the crash enters degraded mode
-        assert node.coordination == "degraded"
-        await wait_for(lambda: node.coordination == "ok", timeout_s=20, what="recovery")
-        stored = await records_on(sentinel.replicas[0].url, node)
-        assert kept.rid in stored
-        assert gone.rid not in stored, "a release the new master never saw was left behind"
-    finally:
-        await node.close()
-
-
-async def test_release_lost_in_a_failover_the_idle_node_slept_through_is_repaired(
-    sentinel: LocalSentinel, pool: str
-) -> None:
-    """The same lost release, but the node makes no call until the sentinels have
-    promoted the replica: its client then connects to the new master without an
-    error (it asks the sentinels again for every new connection), and only the new
-    server's `run_id` tells the node to re-assert (coordinator/server_identity.py)."""
+    """A release acknowledged by the old master only is lost with it. The node must
+    release it again on the new master, whether its next call met the crash (and
+    failed: degraded mode) or came once the sentinels had promoted the replica: its
+    client then connects to the new master without an error (it asks the sentinels
+    again for every new connection), and only the new server's `run_id` tells the
+    node to re-assert (coordinator/server_identity.py)."""
     settings = Settings(**NODE_SETTINGS)
     node = await Coordinator.connect(
         sentinel.url, pool=pool, node_id="n1", settings=settings, background=False
@@ -340,17 +316,22 @@ async def test_release_lost_in_a_failover_the_idle_node_slept_through_is_repaire
         assert await node.release(gone.rid) is True  # acknowledged by the old master only
         sentinel.crash_master()
         replica = sentinel.replicas[0]
-        await wait_for(
-            lambda: sentinel.all_name_master(replica.port), timeout_s=20, what="the promotion"
-        )
-        # Idle meanwhile: redis-py drops the dead connection when it next takes it
-        # from the pool; dropping it here makes the next call's reconnect the silent one.
-        await node.redis.connection_pool.disconnect()
-        later = await node.reserve(10, 10)  # its first call reaches the new master
-        assert node.stats.server_changes == 1
+        expected = {kept.rid}
+        if slept_through:
+            await wait_for(
+                lambda: sentinel.all_name_master(replica.port), timeout_s=20, what="promotion"
+            )
+            # Idle meanwhile: redis-py drops the dead connection when it next takes it
+            # from the pool; dropping it here makes the next call's reconnect the silent one.
+            await node.redis.connection_pool.disconnect()
+            expected.add((await node.reserve(10, 10)).rid)  # reaches the new master
+            assert node.stats.server_changes == 1
+        else:
+            await node.snapshot()  # the first call after the crash enters degraded mode
+            assert node.coordination == "degraded"
         await wait_for(lambda: node.coordination == "ok", timeout_s=20, what="recovery")
         stored = await records_on(replica.url, node)
-        assert set(stored) == {kept.rid, later.rid}, "a release the new master never saw"
+        assert set(stored) == expected, "a release the new master never saw was left behind"
         await assert_counters_match_reservations(node)
     finally:
         await node.close()
