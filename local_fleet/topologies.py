@@ -223,7 +223,9 @@ def _info(client: redis.Redis, section: str) -> dict[str, Any]:
 
 class LocalRedisCluster(_Topology):
     """N primaries, slots split evenly; `url` is a redis+cluster:// URL. Replicas are
-    added one by one (add_replica) and promoted by take_over."""
+    added one by one (add_replica) and promoted (take_over, fail_over); a slot moves
+    between primaries as resharding moves it (begin_migration, move_keys,
+    end_migration)."""
 
     def __init__(
         self,
@@ -326,7 +328,7 @@ class LocalRedisCluster(_Topology):
         """Start a replica of `primary`; returns once its replication link is up."""
         assert self._root is not None, "start() the cluster first"
         bus = free_port()
-        name = f"replica{len(self.replicas)}"
+        name = f"replica-{bus}"  # unique: replicas come and go (promoted, replaced)
         replica = spawn(self.binary, self._root / name, self._node_args(bus))
         self.replicas.append(replica)
         with primary.client() as client:
@@ -371,8 +373,9 @@ class LocalRedisCluster(_Topology):
 
         wait_until(promoted, timeout_s, "the replica to take over")
         with replica.client() as client:
-            own = {int(r[0]) for r in client.execute_command("CLUSTER", "SLOTS")
-                   if int(r[2][1]) == replica.port}  # fmt: skip
+            slots = client.execute_command("CLUSTER", "SLOTS")
+        # CLUSTER SLOTS rows: [first, last, [host, port, id] of the primary, replicas...]
+        own = {int(row[0]) for row in slots if int(row[2][1]) == replica.port}
         index = next(i for i, (first, _) in enumerate(self.ranges) if first in own)
         old = self.processes[index]
         self.processes[index] = replica
@@ -478,8 +481,6 @@ class LocalSentinel(_Topology):
         self.replica_args = list(replica_args)
         self.master: ServerProcess | None = None
         self.replicas: list[ServerProcess] = []
-        self.replaced: list[ServerProcess] = []  # primaries a replica took over from
-        self.moved: dict[int, ServerProcess] = {}  # slots migrated away from their range
         self.sentinels: list[ServerProcess] = []
 
     @property
