@@ -12,9 +12,11 @@ import zlib
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
     AskError,
     BusyLoadingError,
@@ -200,6 +202,8 @@ class Coordinator:
         self.settings = settings or Settings()
         self.keys = PoolKeys(self.settings.key_prefix, pool)
         self.scripts = Scripts.register(redis)
+        # Redis Cluster: a key of the pool, which names its shard (_load_script).
+        self._shard = self.keys.column("meta") if isinstance(redis, RedisCluster) else None
         self.stats = Stats()
         # Pre-encoded: every script call sends all 16 column names, and re-encoding
         # them per call was a measurable share of the decision cost.
@@ -1674,6 +1678,20 @@ class Coordinator:
             reply[4] = values[1] or b""
         return reply
 
+    async def _evalsha(self, sha: str, keys: list[Any], args: list[Any]) -> Any:
+        return await self.redis.evalsha(sha, len(keys), *keys, *args)
+
+    async def _load_script(self, source: str) -> None:
+        """SCRIPT LOAD where this pool's calls go. On Redis Cluster that is the pool's
+        shard alone: redis-py loads a script on every primary, and one that is down
+        would fail the reload on a healthy shard (a restart or SCRIPT FLUSH there)
+        and degrade its pools until the other primary came back."""
+        if self._shard is None:
+            await self.redis.script_load(source)
+        else:
+            node = self.redis.get_node_from_key(self._shard)
+            await self.redis.execute_command("SCRIPT LOAD", source, target_nodes=node)
+
     async def _direct_call(
         self, name: str, args: list[Any], extra: tuple[str | bytes, ...] = ()
     ) -> Any:
@@ -1683,6 +1701,8 @@ class Coordinator:
             extra = (self.keys.prefix_index(),)
         keys = [*self._columns, *extra]
         run = self._read_state if name == "read_state" else script
+        if self._shard is not None and name != "read_state":
+            run = partial(self._evalsha, script.sha)  # reloaded below, on this shard only
         try:
             for _ in range(NOSCRIPT_RETRIES):
                 try:
@@ -1690,7 +1710,7 @@ class Coordinator:
                 except NoScriptError:
                     # redis-py reloads once itself; a second SCRIPT FLUSH between its
                     # load and its retry lands here. Load again (no EVAL: see the ACL).
-                    await self.redis.script_load(script.script)
+                    await self._load_script(script.script)
             return await run(keys=keys, args=args)
         except ResponseError as exc:
             mapped = from_response_error(exc)

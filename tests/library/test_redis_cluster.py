@@ -370,6 +370,26 @@ async def test_a_pool_whose_slot_migrates_is_served_throughout(own_cluster: OwnC
     await assert_counters_match_reservations(node)
 
 
+async def test_scripts_reload_on_their_shard_while_another_primary_is_down(
+    own_cluster: OwnCluster,
+) -> None:
+    """The pool's primary lost its scripts (a restart, SCRIPT FLUSH) while another
+    primary is down. The node reloads them on its own shard only: redis-py's
+    script_load asks every primary, and the dead one failed the reload, which left
+    the healthy shard's pools degraded until that primary came back."""
+    topology = own_cluster.topology
+    node = await own_cluster.connect()
+    await node.register_instance(spec(0))
+    await node.reserve(10, 10)
+    mine = topology.owner_of(node.keys.column("meta"))
+    next(p for p in topology.primaries if p is not mine).kill()
+    with mine.client() as client:
+        client.script_flush()
+    res = await node.reserve(10, 10)
+    assert not res.degraded and node.coordination == "ok"
+    await assert_counters_match_reservations(node)
+
+
 async def _records_on(url: str, node: Coordinator) -> set[str]:
     """The reservation ids one server holds for the node's pool."""
     client = Redis.from_url(url, decode_responses=True)
