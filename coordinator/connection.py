@@ -102,8 +102,9 @@ async def eviction_warning(client: Any) -> str | None:
     """What to warn an operator of when the server may evict any key: maxmemory set
     with an `allkeys-*` policy. A pool that loses single keys that way is not detected
     (only the loss of its meta hash or of a lease is: docs/reliability.md). None when
-    it cannot (`noeviction`; `volatile-*` evicts only keys with a TTL, of which a pool
-    has one: its learned timing, relearned when lost) or when INFO is refused."""
+    it cannot (`noeviction`; `volatile-*` evicts only keys with a TTL, which in a pool
+    are its learned timing, relearned when lost, and the nodes' lease marks, which only
+    tell two processes under one id apart) or when INFO is refused."""
     try:
         info = await client.info("memory")
     except (RedisError, OSError):
