@@ -1058,17 +1058,36 @@ class Coordinator:
                         self._pending_releases.add(rid)
                 failed(records, exc)
                 continue
-            except BaseException as exc:  # a refused call: these are not sent again
+            except BaseException as exc:  # refused for a reason of its own
                 failed(records, exc)
                 if not isinstance(exc, Exception):
                     raise
                 log.exception(
-                    "sending %d held marks and releases, %d records failed",
+                    "sending %d held marks and releases, %d records failed: "
+                    "sending the marks and releases one by one",
                     len(held),
                     len(records),
                 )
+                await self._send_one_by_one(held)
                 continue
             self._apply_carried(self._settle(reply, held, records))
+
+    async def _send_one_by_one(
+        self, held: Sequence[tuple[str, str, LocalReservation | None]]
+    ) -> None:
+        """Held transitions whose carry call Redis refused for a reason of its own (a
+        record it rejects, a hand-edited key): each goes in a call of its own, so one
+        that fails again takes no other with it. Sending one twice changes nothing: a
+        script that failed part-way may have applied it already."""
+        for op, rid, res in held:
+            try:
+                if op == "r":
+                    await self._send_release(rid, res)
+                else:
+                    await self._send_first_token(rid, res)
+            except Exception:
+                kind = "release" if op == "r" else "first-token mark"
+                log.exception("the %s of reservation %s failed: dropped", kind, rid)
 
     def hold_record(self, stem: str, max_owners: int, pairs: Sequence[Any]) -> Awaitable[int]:
         """Hold a prefix record (PrefixIndex.record) for this node's next reserve, or a

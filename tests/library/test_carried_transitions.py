@@ -275,3 +275,25 @@ async def test_a_call_carrying_more_than_the_script_allows_is_refused(
         await c._call("carry", args, (c._node_rids,))
     assert (await live_reservations(c))[res.rid]["phase"] == "prefill"
     await assert_counters_match_reservations(c)
+
+
+async def test_a_carry_call_refused_for_its_own_reason_loses_no_transition(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """A record the script rejects fails the whole carry call it rides in; the marks
+    and releases in that call then go one by one, and only the record is lost."""
+    c = await node_with_pool(make_coordinator, carry_ms=20)
+    ended, decoding = await c.reserve(100, 10), await c.reserve(100, 10)
+    count = c.hold_record("no such#1", 8, ["ab", 1])  # an id the scripts refuse
+    c.first_token_soon(decoding.rid)
+    c.release_soon(ended.rid)
+    with pytest.raises(InvalidArgumentError, match="record 1"):
+        await count
+
+    async def settled() -> bool:
+        return ended.rid not in await live_reservations(c)
+
+    await wait_for(settled, what="the release that rode with the refused record")
+    assert (await live_reservations(c))[decoding.rid]["phase"] == "decode"
+    assert c.coordination == "ok" and not c._carry
+    await assert_counters_match_reservations(c)
