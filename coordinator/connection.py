@@ -100,8 +100,9 @@ class _HiredisPacking:
 
 async def eviction_warning(client: Any) -> str | None:
     """What to warn an operator of when the server may evict any key: maxmemory set
-    with an `allkeys-*` policy. A pool that loses single keys that way is not detected
-    (only the loss of its meta hash or of a lease is: docs/reliability.md). None when
+    with an `allkeys-*` policy. A pool that loses single keys that way serves with
+    wrong counters until the fleet's audit finds it and has every node re-assert
+    (docs/reliability.md), and a lost registry makes instances vanish meanwhile. None when
     it cannot (`noeviction`; `volatile-*` evicts only keys with a TTL, which in a pool
     are its learned timing, relearned when lost, and the nodes' lease marks, which only
     tell two processes under one id apart) or when INFO is refused."""
@@ -116,8 +117,9 @@ async def eviction_warning(client: Any) -> str | None:
         if int(memory.get("maxmemory", 0) or 0) > 0 and policy.startswith("allkeys-"):
             return (
                 f"Redis may evict any key at maxmemory (maxmemory-policy {policy}): a pool "
-                "that loses single keys keeps wrong counters undetected; run its Redis "
-                "with maxmemory-policy noeviction (or volatile-*)"
+                "that loses single keys serves with wrong counters, or without instances, "
+                "until its audit rebuilds it; run its Redis with maxmemory-policy "
+                "noeviction (or volatile-*)"
             )
     return None
 

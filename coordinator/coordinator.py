@@ -104,6 +104,8 @@ TIMING_STEP = 32
 # Held marks and releases one call carries: 20-50 µs of Redis time each, so a burst
 # of completions (an engine that dropped its streams) goes in bounded calls.
 CARRY_STEP = 32
+# Instances whose counters one audit step checks (lua/renew_lease.lua allows 256).
+AUDIT_STEP = 64
 # reserve's arguments before its candidates, and per candidate: the id and its packed
 # slot, prefill_ms, decode_ms and three guard bounds (lua/reserve.lua,
 # coordinator/packed.py pack_candidate, coordinator/guard.py).
@@ -161,6 +163,7 @@ class Stats:
     carry_calls: int = 0  # held marks and releases sent in their own call (no reserve came)
     node_id_conflicts: int = 0  # renewals that found another process renewed this lease
     server_changes: int = 0  # calls that reached another Redis server process: re-asserted
+    audit_resets: int = 0  # pools this node's audit found inconsistent and cleared
 
 
 # read_state's reply: a view (PoolCache.apply_view's fields), then the leased nodes.
@@ -1219,16 +1222,35 @@ class Coordinator:
         have reaped its reservations (a stall beyond the lease, or Redis lost the
         pool): the node re-asserts them, through degraded mode as after an outage.
         """
-        reply = await self._call("renew_lease", *self._renew_args())
+        reply = await self._call("renew_lease", *self._renew_args(audit=True))
         self._lease_renewed(reply)
         self._voids_left = int(reply[4])
+        if found := as_text(reply[6]):
+            self._audit_failed(found)
         return [str(n) for n in reply[3] if str(n) != self.node_id]
 
-    def _renew_args(self) -> tuple[list[Any], tuple[str]]:
+    def _renew_args(self, audit: bool = False) -> tuple[list[Any], tuple[str]]:
+        """renew_lease's arguments; with `audit`, it also runs the pool's audit step
+        when one is due (never in a re-assert: a reset would undo what it restored)."""
+        period = self.settings.audit_interval_ms if audit else 0
         return (
-            [self.node_id, self.settings.lease_ms, self._incarnation],
+            [self.node_id, self.settings.lease_ms, self._incarnation, period, AUDIT_STEP],
             (self.keys.node_owner(self.node_id),),
         )
+
+    def _audit_failed(self, found: str) -> None:
+        """The audit found the pool's keys disagreeing (`found` says how) and deleted
+        them: this node re-asserts at once, the others when their next call meets the
+        new run_id or their lease is gone."""
+        self.stats.audit_resets += 1
+        log.error(
+            "pool %s: its keys disagreed (%s): a key was lost (eviction: set "
+            "maxmemory-policy noeviction) or edited by hand; cleared the pool, every node "
+            "re-asserts what it holds",
+            self.pool,
+            found,
+        )
+        self._enter_degraded("the audit cleared the pool: re-asserting")
 
     @property
     def node_id_shared(self) -> bool:

@@ -122,6 +122,10 @@ class Settings:
     # first_token_soon/release_soon (the proxy's) ride on the node's next reserve, or
     # go in one call after this long: one Redis call per request instead of three.
     carry_ms: int = 20  # 0 = send each at once
+    # The fleet checks the pool's bookkeeping against itself at most this often (one
+    # bounded step, in a lease renewal), and rebuilds the pool from the nodes when a
+    # key was lost or edited outside the scripts (docs/reliability.md). 0 = never.
+    audit_interval_ms: int = 5_000
     strategy: str = "least_load"  # default selection strategy
     weights: Weights = field(default_factory=lambda: Weights.preset(DEFAULT_WEIGHTS))
     # Prefix-cache affinity (coordinator/prefix.py, docs/security.md).
@@ -193,6 +197,7 @@ class Settings:
         if self.strategy not in STRATEGIES:
             raise InvalidArgumentError(f"strategy must be one of {STRATEGIES}")
         for name, low, high in (
+            ("audit_interval_ms", 0, 86_400_000),
             ("prefix_block_chars", 16, 1 << 20),
             ("prefix_max_blocks", 1, 512),
             ("prefix_cache_tokens", 0, 10**9),

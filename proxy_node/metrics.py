@@ -135,6 +135,12 @@ class PressureCollector(Collector):
                 stats.server_changes,
             ),
             (
+                "proxy_coordination_audit_resets",
+                "Times this node's audit found the pool's keys disagreeing (a key evicted or "
+                "edited by hand) and cleared the pool for every node to re-assert",
+                stats.audit_resets,
+            ),
+            (
                 "proxy_coordination_write_refusals",
                 "Redis replies refusing a write (OOM, READONLY, MISCONF, NOREPLICAS)",
                 stats.write_refusals,

@@ -107,7 +107,22 @@ async def assert_counters_match_reservations(c: Coordinator) -> None:
     pipe.sscan(c.keys.column("voids"), 0, count=1_000_000)
     pipe.getrange(c.keys.column("state"), 0, -1)
     pipe.hget(c.keys.column("meta"), "inflight_total")
-    raw_records, raw_epochs, raw_slots, index, (_, voids), state, total = await pipe.execute()
+    pipe.hget(c.keys.column("meta"), "slots")
+    pipe.zcard(c.keys.column("free_slots"))
+    for name in ("spec", "max_slots", "last_seen_ms"):
+        pipe.hlen(c.keys.column(name))
+    (
+        raw_records,
+        raw_epochs,
+        raw_slots,
+        index,
+        (_, voids),
+        state,
+        total,
+        allocated,
+        free,
+        *column_sizes,
+    ) = await pipe.execute()
     stored = decode_counters(raw_slots, state)
     records = {rid: json.loads(v) for rid, v in raw_records.items()}
     epochs = {k: int(v) for k, v in raw_epochs.items()}
@@ -133,10 +148,16 @@ async def assert_counters_match_reservations(c: Coordinator) -> None:
         earliest = expected["earliest_end_at_ms"]
         earliest[iid] = end if not earliest[iid] else min(earliest[iid], end)
     assert set(raw_slots) == set(epochs), ("slot", raw_slots, epochs)
+    # The relations lua/renew_lease.lua's audit checks besides the counters: every
+    # allocated slot is held or free, and each registry column names the same instances.
+    assert int(allocated or 0) == len(raw_slots) + free, ("slots", allocated, raw_slots, free)
+    assert column_sizes == [len(epochs)] * 3, ("spec, max_slots, last_seen_ms", column_sizes)
     for name, want in expected.items():
         assert stored[name] == want, (name, stored[name], want)
-    # The pool's total, which reserve compares a candidate with, is the sum of `state`.
+    # The pool's total, which reserve compares a candidate with, is the sum of `state`:
+    # every record but the void ones, whose instances `voids` lists.
     assert int(total or 0) == sum(stored["inflight"].values()), ("inflight_total", total)
+    assert voids or int(total or 0) == len(records), ("inflight_total", total, "no voids")
     expected_index = {
         lex_member(rec["instance"], rec["epoch"], rec["end_at_ms"], rid)
         for rid, rec in records.items()

@@ -6,8 +6,12 @@
 -- ARGV[1] = node id
 -- ARGV[2] = lease length in ms (integer > 0)
 -- ARGV[3] = the calling process's incarnation (an id, random per process)
+-- ARGV[4] = audit period in ms (0 = no audit): the pool's bookkeeping is checked
+--   against itself, one bounded step at most once per period for the whole fleet
+--   (audit, below); optional, 0 when absent
+-- ARGV[5] = instances whose counters one audit step checks (1..256; default 64)
 -- returns {status, deadline_ms, now_ms, expired_node_ids, void_instances_left,
---          previous_incarnation}
+--          previous_incarnation, audit}
 --   status 'ok': the lease was still live; 'expired': it had run out (a peer may be
 --   reaping this node's reservations); 'new': there was none (never held, reaped,
 --   or Redis lost the pool). After 'expired' or 'new' a node that held a lease must
@@ -15,12 +19,83 @@
 --   previous_incarnation: who renewed the lease before this call ('' if nobody within
 --   a lease). Another one than the caller's, after the caller had renewed, means a
 --   second process runs under the same node id.
+--   audit: '' or, when a relation between the pool's keys did not hold, what did
+--   not: the pool's keys were then deleted before the renewal, as by FLUSHDB (a new
+--   run_id: every node re-asserts what it registered and holds, as after any loss of
+--   the pool), so that the counters carry no lost or hand-edited key for good.
 if not valid_id(ARGV[1]) then return fail('bad_arg', 'node') end
 local lease = int_arg(ARGV[2], 86400000)
 if lease == nil or lease < 1 then return fail('bad_arg', 'lease_ms must be an integer > 0') end
 if not valid_id(ARGV[3]) then return fail('bad_arg', 'incarnation') end
+local period = int_arg(ARGV[4] or '0', 86400000)
+if period == nil then return fail('bad_arg', 'audit period_ms must be an integer >= 0') end
+local per_step = int_arg(ARGV[5] or '64', 256)
+if per_step == nil or per_step < 1 then return fail('bad_arg', 'audit step in 1..256') end
+
+-- The first relation between the pool's keys that does not hold, or nil. Every
+-- script keeps each one: a key lost to eviction (a maxmemory-policy other than
+-- noeviction), deleted or edited by hand breaks one. Each step checks the pool-wide
+-- ones and the counters of `per_step` instances, in O(per_step) commands: the next
+-- ones an HSCAN of `slot` returns, from meta's audit_cursor, and audit_offset into a
+-- reply longer than that (a small hash comes whole).
+local function audit(now)
+  local m = redis.call('HMGET', K_META, 'audit_at', 'audit_cursor', 'audit_offset', 'slots',
+    'inflight_total')
+  if tonumber(m[1] or '0') > now then return nil end
+  local held = redis.call('HLEN', K_SLOT)
+  if (tonumber(m[4]) or 0) ~= held + redis.call('ZCARD', K_FREE_SLOTS) then
+    return 'meta slots is not the slots held plus free_slots'
+  end
+  for _, key in ipairs({K_SPEC, K_EPOCH, K_MAX_SLOTS, K_LAST_SEEN}) do
+    if redis.call('HLEN', key) ~= held then return key .. ' and slot name other instances' end
+  end
+  local records = redis.call('HLEN', K_RES)
+  if records ~= redis.call('ZCARD', K_BY_INSTANCE) then
+    return 'reservations and by_instance hold other reservations'
+  end
+  -- Every record counts in `state` (inflight_total is its sum) but the void ones,
+  -- whose instances `voids` lists until they are swept.
+  local total = tonumber(m[5]) or 0
+  if total < 0 or total > records
+      or (total < records and redis.call('SCARD', K_VOIDS) == 0) then
+    return string.format('meta inflight_total is %d, reservations %d', total, records)
+  end
+  local scan = redis.call('HSCAN', K_SLOT, m[2] or '0', 'COUNT', per_step)
+  local found, offset = scan[2], tonumber(m[3]) or 0
+  local last = math.min(#found / 2, offset + per_step)
+  for j = offset + 1, last do
+    local id = found[2 * j - 1]
+    local epoch = tonumber(redis.call('HGET', K_EPOCH, id))
+    if not epoch then return 'slot names ' .. id .. ', epoch does not' end
+    local lo, hi = epoch_range(id, epoch)
+    local indexed = redis.call('ZLEXCOUNT', K_BY_INSTANCE, lo, hi)
+    local pending, decode = state_fields(tonumber(found[2 * j]))
+    if pending + decode ~= indexed then
+      return string.format('state counts %d reservations on %s, by_instance %d',
+        pending + decode, id, indexed)
+    end
+  end
+  if last < #found / 2 then  -- the rest of this reply in the next steps
+    redis.call('HSET', K_META, 'audit_at', now + period, 'audit_offset', last)
+  else
+    redis.call('HSET', K_META, 'audit_at', now + period, 'audit_cursor', scan[1],
+      'audit_offset', 0)
+  end
+  return nil
+end
+
 local now = now_ms()
 run_id(now)
+local found = ''
+if period > 0 then
+  found = audit(now) or ''
+  if found ~= '' then
+    for i = 1, 16 do redis.call('UNLINK', KEYS[i]) end
+    run_id(now)
+    redis.call('HSET', K_META, 'audit_at', now + period, 'audit_reset', found,
+      'audit_reset_ms', string.format('%d', now))
+  end
+end
 local prior = redis.call('ZSCORE', K_NODES, ARGV[1])
 local status = 'new'
 if prior then status = tonumber(prior) >= now and 'ok' or 'expired' end
@@ -29,4 +104,4 @@ local previous = redis.call('HGET', KEYS[17], 'incarnation') or ''
 redis.call('HSET', KEYS[17], 'incarnation', ARGV[3])
 redis.call('PEXPIRE', KEYS[17], lease)
 local expired = redis.call('ZRANGEBYSCORE', K_NODES, '-inf', '(' .. now)
-return {status, now + lease, now, expired, redis.call('SCARD', K_VOIDS), previous}
+return {status, now + lease, now, expired, redis.call('SCARD', K_VOIDS), previous, found}

@@ -1,0 +1,225 @@
+"""The pool audit (lua/renew_lease.lua): a key lost or edited outside the scripts.
+
+Every script keeps the pool's keys consistent with each other; a key evicted under a
+maxmemory-policy other than noeviction, or deleted or edited by hand, breaks that,
+and the counters then carry the damage for good (a lost `reservations` hash left each
+instance counting its requests after they ended). The audit, one bounded step in a
+lease renewal at most once per `audit_interval_ms` for the whole fleet, finds such a
+pool and deletes its keys, as a FLUSHDB would: every node then re-asserts what it
+registered and holds, the recovery tests/library/test_fault_paths.py covers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from coordinator import Coordinator, Settings
+from coordinator.coordinator import AUDIT_STEP
+from coordinator.packed import STATE_BYTES
+from tests.conftest import MakeCoordinator
+from tests.helpers import (
+    assert_counters_match_reservations,
+    live_reservations,
+    spec,
+    wait_for,
+)
+from tests.library.test_fault_paths import FAST, recovered
+
+pytestmark = pytest.mark.timeout(60)
+
+AUDITING = Settings(audit_interval_ms=60_000, **FAST)
+
+
+async def audit(c: Coordinator) -> None:
+    """Renew c's lease with an audit step due (meta's audit_at, when the fleet's next
+    step may run, is no relation the audit checks)."""
+    await c.redis.hdel(c.keys.column("meta"), "audit_at")
+    await c.reap_expired()
+
+
+async def slot_of(c: Coordinator, instance_id: str) -> int:
+    return int(await c.redis.hget(c.keys.column("slot"), instance_id))
+
+
+async def lose(c: Coordinator, damage: str) -> None:
+    """Break the pool as eviction or a hand edit would."""
+    column = c.keys.column
+    if damage.startswith("DEL "):
+        assert await c.redis.delete(column(damage.removeprefix("DEL "))) == 1
+    elif damage == "HDEL spec i1":
+        assert await c.redis.hdel(column("spec"), "i1") == 1
+    elif damage == "HINCRBY meta inflight_total 5":
+        await c.redis.hincrby(column("meta"), "inflight_total", 5)
+    elif damage == "zero i0's counters":
+        at = await slot_of(c, "i0") * STATE_BYTES
+        await c.redis.setrange(column("state"), at, "\0" * 6)  # pending, decode
+    else:
+        raise AssertionError(damage)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "DEL reservations",
+        "DEL by_instance",
+        "DEL state",
+        "DEL meta",
+        "DEL slot",
+        "DEL free_slots",
+        "HDEL spec i1",
+        "zero i0's counters",
+        "HINCRBY meta inflight_total 5",
+    ],
+)
+async def test_a_lost_or_edited_key_is_rebuilt_from_the_nodes(
+    make_coordinator: MakeCoordinator, damage: str
+) -> None:
+    a = await make_coordinator("node-a", settings=AUDITING)
+    b = await make_coordinator("node-b", settings=AUDITING)
+    for i in range(4):
+        await a.register_instance(spec(i))
+    await a.unregister_instance("i2")  # its slot stays free
+    await audit(a)
+    await audit(b)
+    held_a = [await a.reserve(100, 10) for _ in range(4)]
+    held_b = [await b.reserve(100, 10) for _ in range(3)]
+    await a.mark_first_token(held_a[0].rid)
+    await b.release(held_b[2].rid)
+    assert {r.instance_id for r in held_a} >= {"i0"}
+    await audit(a)  # consistent: nothing found
+    assert a.stats.audit_resets == 0
+
+    await lose(a, damage)
+    await audit(a)
+    assert a.stats.audit_resets == 1
+    assert a.coordination == "degraded"
+    await recovered(a)
+    extra = await b.reserve(100, 10)  # meets the new run_id: b re-asserts too
+    await recovered(b)
+    records = await live_reservations(a)
+    assert set(records) == {r.rid for r in [*held_a, *held_b[:2], extra]}
+    assert records[held_a[0].rid]["phase"] == "decode"
+    assert {r.id for r in (await a.snapshot()).rows} == {"i0", "i1", "i3"}
+    await assert_counters_match_reservations(a)
+    await audit(a)
+    await audit(b)
+    assert a.stats.audit_resets + b.stats.audit_resets == 1, "consistent again"
+    for r in [*held_a, *held_b[:2], extra]:
+        await (a if r in held_a else b).release(r.rid)
+    await assert_counters_match_reservations(a)
+    assert await live_reservations(a) == {}
+
+
+async def test_the_pool_as_the_scripts_leave_it_is_never_reset(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Every kind of write between audit steps: none is taken for damage."""
+    a = await make_coordinator("node-a", settings=AUDITING)
+    dead = await make_coordinator("node-dead", settings=AUDITING.with_(lease_ms=200))
+    steps: list[Any] = []
+
+    async def audited() -> None:
+        await audit(a)
+        assert a.stats.audit_resets == 0, steps[-1]
+
+    for i in range(4):
+        steps.append(f"register i{i}")
+        await a.register_instance(spec(i))
+        await audited()
+    held = []
+    for n in range(12):
+        steps.append(f"reserve {n}")
+        held.append(await a.reserve(100 * (n + 1), 10 + n))
+        await audited()
+    await dead.renew_lease()
+    doomed = [await dead.reserve(100, 10) for _ in range(3)]
+    for r in held[:4]:
+        steps.append(f"first token {r.rid}")
+        await a.mark_first_token(r.rid)
+        await audited()
+    for r in held[4:7]:
+        steps.append(f"release {r.rid}")
+        await a.release(r.rid)
+        await audited()
+    steps.append("restart i0 (a higher epoch voids its reservations)")
+    await a.register_instance(spec(0, epoch=10**9))
+    await audited()
+    steps.append("unregister i1")
+    await a.unregister_instance("i1")
+    await audited()
+    steps.append("a dead node reaped")
+    await dead.close()
+
+    async def dead_reaped() -> bool:
+        await audited()
+        return not set(r.rid for r in doomed) & set(await live_reservations(a))
+
+    await wait_for(dead_reaped, what="the dead node's reservations to be reaped")
+    steps.append("register i1 again")
+    await a.register_instance(spec(1))
+    await audited()
+    await assert_counters_match_reservations(a)
+
+
+async def test_the_counters_of_a_big_pool_are_checked_a_step_at_a_time(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """AUDIT_STEP instances a step (resumed from meta's audit_cursor): one instance's
+    damaged counters are found within two passes over the pool."""
+    a = await make_coordinator("node-a", settings=AUDITING)
+    n = 2 * AUDIT_STEP + 20
+    for i in range(n):
+        await a.register_instance(spec(i))
+    await audit(a)
+    cursor, offset = await a.redis.hmget(a.keys.column("meta"), "audit_cursor", "audit_offset")
+    assert (int(cursor or 0), int(offset or 0)) != (0, 0), "one step checked a part of the pool"
+    res = await a.reserve(100, 10)
+    at = await slot_of(a, res.instance_id) * STATE_BYTES
+    await a.redis.setrange(a.keys.column("state"), at, "\0" * 6)
+    steps = 0
+    while a.stats.audit_resets == 0:
+        steps += 1
+        assert steps <= 2 * (n // AUDIT_STEP + 1), "not found within two passes"
+        await audit(a)
+    await recovered(a)
+    assert set(await live_reservations(a)) == {res.rid}
+    await assert_counters_match_reservations(a)
+
+
+async def test_the_fleet_audits_at_most_once_per_interval(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    slow = Settings(audit_interval_ms=600_000, **FAST)
+    a = await make_coordinator("node-a", settings=slow)
+    b = await make_coordinator("node-b", settings=slow)
+    await a.register_instance(spec(0))
+    await a.reserve(100, 10)
+    await a.reap_expired()  # the pool's first step: consistent; the next in 10 minutes
+    await lose(a, "DEL reservations")
+    await a.reap_expired()
+    await b.reap_expired()
+    assert a.stats.audit_resets + b.stats.audit_resets == 0
+    assert a.coordination == b.coordination == "ok"
+
+
+async def test_counters_lost_while_requests_ran_are_found_after_they_ended(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """`state` lost with requests in flight, which then end: every counter reads 0
+    and nothing is indexed, but the pool's total still counts them."""
+    a = await make_coordinator("node-a", settings=AUDITING)
+    for i in range(2):
+        await a.register_instance(spec(i))
+    held = [await a.reserve(100, 10) for _ in range(5)]
+    await audit(a)
+    await lose(a, "DEL state")
+    for r in held:
+        await a.release(r.rid)
+    assert await live_reservations(a) == {}
+    await audit(a)
+    assert a.stats.audit_resets == 1
+    await recovered(a)
+    assert await a.redis.hget(a.keys.column("meta"), "inflight_total") in (None, b"0", "0")
+    await assert_counters_match_reservations(a)
