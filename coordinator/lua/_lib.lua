@@ -215,8 +215,11 @@ local function prefetch_states(slots, max_bytes)
     end
   end
   if lo == nil or lo == hi or (hi - lo + 1) * STATE_BYTES > max_bytes then return end
-  state_span = {lo = lo, hi = hi,
-    raw = redis.call('GETRANGE', K_STATE, lo * STATE_BYTES, (hi + 1) * STATE_BYTES - 1)}
+  local size = (hi - lo + 1) * STATE_BYTES
+  local raw = redis.call('GETRANGE', K_STATE, lo * STATE_BYTES, lo * STATE_BYTES + size - 1)
+  -- past the end of `state` (a slot not written yet, or a key lost) every field is 0
+  if #raw < size then raw = raw .. string.rep('\0', size - #raw) end
+  state_span = {lo = lo, hi = hi, raw = raw}
 end
 
 -- The six fields of slot `slot`'s state record (decode_state), as Redis has them now

@@ -223,3 +223,33 @@ async def test_counters_lost_while_requests_ran_are_found_after_they_ended(
     await recovered(a)
     assert await a.redis.hget(a.keys.column("meta"), "inflight_total") in (None, b"0", "0")
     await assert_counters_match_reservations(a)
+
+
+async def test_records_past_the_end_of_state_read_as_zeros(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """`state` cut short (evicted, then one slot written again; here by hand): the
+    records past its end read as zeros in every script, as a slot not written yet
+    does, never as an error (the reserve script failed on them when it read several
+    candidates' records at once, and the proxy answered 500)."""
+    stale = {"snapshot_max_age_ms": 600_000, "live_refresh_ms": 600_000}
+    a = await make_coordinator("node-a", settings=AUDITING.with_(**stale))
+    b = await make_coordinator("node-b", settings=AUDITING)
+    ids = [f"i{i}" for i in range(6)]
+    for i in range(6):
+        await a.register_instance(spec(i))
+    await a.refresh()  # a's view: all idle, and it stays so
+    busy = await slot_of(a, "i0")
+    held = [await b.reserve(100, 10, exclude=[x for x in ids if x != "i0"]) for _ in range(4)]
+    key = a.keys.column("state")
+    first = busy * STATE_BYTES
+    kept = await a.redis.getrange(key, first, first + STATE_BYTES - 1)  # i0's record
+    await a.redis.set(key, ("\0" if isinstance(kept, str) else b"\0") * first + kept)
+    # a's ranking ties every instance; the script finds i0 busier than a's bounds and
+    # walks on to the others, whose records lie past the end of `state`
+    held += [await a.reserve(100, 10) for _ in range(6)]
+    assert not any(r.degraded for r in held)
+    assert set(await live_reservations(a)) == {r.rid for r in held}
+    await assert_counters_match_reservations(a)  # the others held nothing: no loss
+    await audit(a)
+    assert a.stats.audit_resets == 0
