@@ -798,7 +798,7 @@ class Coordinator:
                     # reservation must go to the URL Redis has now, not the cached one.
                     with suppress(CoordinationUnavailableError):
                         await self._read_specs(self._call)
-                return self._record(rid, reply, request, scores)
+                return self._record(rid, reply, request, scores, rows)
             if status == "nolease":
                 # Peers may have reaped this node: re-assert before writing again.
                 self.stats.lease_losses += 1
@@ -934,13 +934,20 @@ class Coordinator:
         )
 
     def _record(
-        self, rid: str, reply: list[Any], request: RequestShape, scores: Mapping[str, Score]
+        self,
+        rid: str,
+        reply: list[Any],
+        request: RequestShape,
+        scores: Mapping[str, Score],
+        ranked: Sequence[InstanceRow],
     ) -> Reservation:
         prompt, expected = request.prompt_tokens, request.expected_output_tokens
         iid, epoch = str(reply[1]), int(reply[2])
         ttft = None if reply[3] is None else int(reply[3])
         prefill_ms, decode_ms = int(reply[4]), int(reply[5])
-        row = self._cache.rows.get(iid)
+        # The view read after the reply may have lost the row (its spec left Redis
+        # meanwhile: a key evicted, say): the candidate's row it was ranked on has the URL.
+        row = self._cache.rows.get(iid) or next((r for r in ranked if r.id == iid), None)
         url = row.spec.url if row else ""
         known = self._local.get(rid)
         if known is None or (known.instance_id, known.epoch) != (iid, epoch):

@@ -253,3 +253,21 @@ async def test_records_past_the_end_of_state_read_as_zeros(
     await assert_counters_match_reservations(a)  # the others held nothing: no loss
     await audit(a)
     assert a.stats.audit_resets == 0
+
+
+async def test_a_reservation_on_an_instance_whose_spec_left_keeps_its_url(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """The reserve's reply names a spec change, and the specs read after it no longer
+    hold the chosen instance's (its key evicted meanwhile; here by hand): the
+    reservation still goes to the URL it was ranked with, not to '' (502)."""
+    a = await make_coordinator("node-a", settings=AUDITING)
+    for i in range(2):
+        await a.register_instance(spec(i))
+    await a.refresh()
+    meta, gen = a.keys.column("meta"), await a.redis.hget(a.keys.column("meta"), "spec_gen")
+    await a.redis.hdel(a.keys.column("spec"), "i0")
+    await a.redis.zadd(a.keys.column("spec_log"), {"i0": int(gen) + 1})
+    await a.redis.hincrby(meta, "spec_gen", 1)
+    res = await a.reserve(100, 10, exclude=["i1"])
+    assert (res.instance_id, res.url) == ("i0", spec(0).url)
