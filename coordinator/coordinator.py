@@ -1230,10 +1230,11 @@ class Coordinator:
         pool): the node re-asserts them, through degraded mode as after an outage.
         """
         reply = await self._call("renew_lease", *self._renew_args(audit=True))
+        if found := as_text(reply[6]):
+            self._leased = False  # the lease went with the pool's keys: no stall
+            self._audit_failed(found)
         self._lease_renewed(reply)
         self._voids_left = int(reply[4])
-        if found := as_text(reply[6]):
-            self._audit_failed(found)
         return [str(n) for n in reply[3] if str(n) != self.node_id]
 
     def _renew_args(self, audit: bool = False) -> tuple[list[Any], tuple[str]]:

@@ -6,9 +6,12 @@ and keep a few reservations open to the end. Meanwhile the parent, driven by a
 seeded random schedule, injects every fault class in turn: kill -9 of a worker
 (restarted under its old id or a new one, or not at all), SIGSTOP beyond the lease,
 SCRIPT FLUSH, FLUSHDB, a Redis restart (empty), an OOM window (`maxmemory` +
-`noeviction`), and lost replies (the workers reach Redis through
-tests/faults/fault_proxy.py, which then executes their calls but drops the replies). It samples the pool throughout: every sample, one
-MULTI/EXEC, must satisfy the invariants below.
+`noeviction`), lost replies (the workers reach Redis through
+tests/faults/fault_proxy.py, which then executes their calls but drops the replies),
+and one pool key deleted (eviction, or a hand edit). It samples the pool throughout:
+every sample, one MULTI/EXEC, must satisfy the invariants below, except between a
+key's loss and the audit's rebuild of the pool (lua/renew_lease.lua), which must
+come within a few audit periods.
 
 At the end the workers stop issuing requests and report the reservations they
 still hold, once they are back to `coordination=ok`. Then, in one MULTI/EXEC:
@@ -63,8 +66,20 @@ WORKER_SETTINGS = Settings(
     redis_timeout_ms=200,
     recovery_interval_ms=50,
     instance_ttl_ms=600_000,  # engines never die here; only nodes and Redis do
+    audit_interval_ms=200,
 )
-FAULTS = ("kill9", "sigstop", "script_flush", "flushdb", "restart_empty", "oom", "lost_replies")
+FAULTS = (
+    "kill9",
+    "sigstop",
+    "script_flush",
+    "flushdb",
+    "restart_empty",
+    "oom",
+    "lost_replies",
+    "lost_key",
+)
+# Keys whose loss breaks a relation the audit checks while reservations are live.
+LOSABLE = ("reservations", "by_instance", "state", "meta")
 
 
 def _seeds() -> list[int]:
@@ -186,6 +201,7 @@ class Pool:
     leases: dict[str, int]
     now_ms: int
     voids: set[str]
+    total: int  # meta's inflight_total
 
     def problems(self) -> list[str]:
         """Counters, pending_prefill_ms and the index against the records."""
@@ -209,6 +225,8 @@ class Pool:
                 found.append(f"{name} {self.counters[name]} != records {expected[name]}")
         if self.pending_ms != expected_ms:
             found.append(f"pending_prefill_ms {self.pending_ms} != records {expected_ms}")
+        if self.total != sum(self.counters["inflight"].values()):
+            found.append(f"inflight_total {self.total} != counters {self.counters['inflight']}")
         index = sorted(
             lex_member(r["instance"], r["epoch"], r["end_at_ms"], rid)
             for rid, r in self.records.items()
@@ -237,7 +255,18 @@ async def read_pool(client: Redis) -> Pool:
     pipe.zrange(keys.column("nodes"), 0, -1, withscores=True)
     pipe.time()
     pipe.smembers(keys.column("voids"))
-    slots, records, epochs, state, index, leases, (seconds, micros), voids = await pipe.execute()
+    pipe.hget(keys.column("meta"), "inflight_total")
+    (
+        slots,
+        records,
+        epochs,
+        state,
+        index,
+        leases,
+        (seconds, micros),
+        voids,
+        total,
+    ) = await pipe.execute()
     decoded = decode_counters(slots, state)
     return Pool(
         counters={name: decoded[name] for name in COUNTERS},
@@ -248,6 +277,7 @@ async def read_pool(client: Redis) -> Pool:
         leases={str(n): int(score) for n, score in leases},
         now_ms=int(seconds) * 1000 + int(micros) // 1000,
         voids={str(v) for v in voids},
+        total=int(total or 0),
     )
 
 
@@ -264,6 +294,7 @@ class Run:
     violations: list[str] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
     samples: int = 0
+    damaged: bool = False  # a key is lost and the audit has not rebuilt the pool yet
 
     async def spawn(self, node_id: str | None = None) -> Worker:
         """Start a worker process (a new node id unless one is given)."""
@@ -311,6 +342,9 @@ class Run:
                 except (RedisError, OSError):
                     await asyncio.sleep(0.05)  # Redis is down or restarting
                     continue
+                if self.damaged:
+                    await asyncio.sleep(0.03)
+                    continue
                 self.samples += 1
                 self.violations += [f"sample {self.samples}: {p}" for p in pool.problems()]
                 await asyncio.sleep(0.03)
@@ -348,6 +382,8 @@ class Run:
                 finally:
                     await self.proxy.set_mode("pass")
                 await asyncio.sleep(self.rng.uniform(0.2, 0.3))
+        elif kind == "lost_key":
+            await self.lose_key()
         elif kind == "restart_empty":
             self.server.kill()
             await asyncio.sleep(self.rng.uniform(0.05, 0.3))
@@ -368,6 +404,34 @@ class Run:
                         await client.config_set("maxmemory", "0")
             finally:
                 await client.aclose()
+
+    async def lose_key(self) -> None:
+        """Delete one pool key; then the pool must be consistent again within a few
+        audit periods (rebuilt by a reset, or undamaged: an empty key lost nothing)."""
+        name = self.rng.choice(LOSABLE)
+        self.faults[-1] += f"({name})"
+        keys = PoolKeys("lc", POOL)
+        client = await self.admin()
+        try:
+            reset_before = await client.hget(keys.column("meta"), "audit_reset_ms")
+            self.damaged = True
+            await client.delete(keys.column(name))
+            deadline = time.monotonic() + 20 * WORKER_SETTINGS.audit_interval_ms / 1000 + 2
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                try:
+                    reset = await client.hget(keys.column("meta"), "audit_reset_ms")
+                    if (
+                        reset not in (None, reset_before)
+                        or not (await read_pool(client)).problems()
+                    ):
+                        return
+                except (RedisError, OSError):
+                    continue
+            self.violations.append(f"the pool was not rebuilt after losing {name}")
+        finally:
+            self.damaged = False
+            await client.aclose()
 
 
 def _read(path: Path) -> dict[str, Any] | None:

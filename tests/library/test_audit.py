@@ -95,6 +95,7 @@ async def test_a_lost_or_edited_key_is_rebuilt_from_the_nodes(
     await audit(a)
     assert a.stats.audit_resets == 1
     assert a.coordination == "degraded"
+    assert a.stats.lease_losses == 0, "the reset, not a stall, took the lease"
     await recovered(a)
     extra = await b.reserve(100, 10)  # meets the new run_id: b re-asserts too
     await recovered(b)
