@@ -30,6 +30,7 @@ from tests.library.test_fault_paths import FAST, recovered
 pytestmark = pytest.mark.timeout(60)
 
 AUDITING = Settings(audit_interval_ms=60_000, **FAST)
+VOIDED = 260  # reservations on a restarted instance: more than one sweep step
 
 
 async def audit(c: Coordinator) -> None:
@@ -272,3 +273,24 @@ async def test_a_reservation_on_an_instance_whose_spec_left_keeps_its_url(
     await a.redis.hincrby(meta, "spec_gen", 1)
     res = await a.reserve(100, 10, exclude=["i1"])
     assert (res.instance_id, res.url) == ("i0", spec(0).url)
+
+
+async def test_a_lost_voids_set_is_found_while_void_records_remain(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """Records of a restarted instance wait in `voids` for the sweep; without that
+    set they would stay for good, and the pool's total no longer explains them."""
+    a = await make_coordinator("node-a", settings=AUDITING)
+    await a.register_instance(spec(0))
+    for _ in range(VOIDED):
+        await a.reserve(10, 10)
+    # A restart: every record void; its registration sweeps 250 (lua/_lib.lua
+    # SWEEP_BUDGET), the lease loop the rest, unless `voids` is lost.
+    await a.register_instance(spec(0, epoch=10**9))
+    assert await a.redis.hlen(a.keys.column("reservations")) == VOIDED - 250
+    assert await a.redis.delete(a.keys.column("voids")) == 1
+    await audit(a)
+    assert a.stats.audit_resets == 1
+    await recovered(a)
+    assert await live_reservations(a) == {}, "the restart had ended them"
+    await assert_counters_match_reservations(a)
