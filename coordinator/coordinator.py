@@ -1229,21 +1229,30 @@ class Coordinator:
         have reaped its reservations (a stall beyond the lease, or Redis lost the
         pool): the node re-asserts them, through degraded mode as after an outage.
         """
+        held = sum(1 for res in self._local.values() if res.in_redis)
         reply = await self._call("renew_lease", *self._renew_args(audit=True))
         if found := as_text(reply[6]):
             self._leased = False  # the lease went with the pool's keys: no stall
             self._audit_failed(found)
+        elif as_text(reply[0]) == "ok" and 0 <= int(reply[7]) < held:
+            # Every reservation this node holds in Redis is in its rids set (a release
+            # leaves the set after the node forgot it): fewer means the set was lost
+            # or edited, and the reaper could not release them when this node dies.
+            self._enter_degraded(
+                f"this node's rids set holds {reply[7]} ids for its {held} reservations "
+                "in Redis (lost or edited): re-asserting them"
+            )
         self._lease_renewed(reply)
         self._voids_left = int(reply[4])
         return [str(n) for n in reply[3] if str(n) != self.node_id]
 
-    def _renew_args(self, audit: bool = False) -> tuple[list[Any], tuple[str]]:
+    def _renew_args(self, audit: bool = False) -> tuple[list[Any], tuple[str, bytes]]:
         """renew_lease's arguments; with `audit`, it also runs the pool's audit step
         when one is due (never in a re-assert: a reset would undo what it restored)."""
         period = self.settings.audit_interval_ms if audit else 0
         return (
             [self.node_id, self.settings.lease_ms, self._incarnation, period, AUDIT_STEP],
-            (self.keys.node_owner(self.node_id),),
+            (self.keys.node_owner(self.node_id), self._node_rids),
         )
 
     def _audit_failed(self, found: str) -> None:

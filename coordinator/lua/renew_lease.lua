@@ -3,6 +3,7 @@
 -- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
 -- KEYS[17] = {pool}:node:<node>:owner  hash: `incarnation`, the process that renewed
 --   the lease last (expires with the lease)
+-- KEYS[18] = {pool}:node:<node>:rids (optional): the node's reservation ids, counted
 -- ARGV[1] = node id
 -- ARGV[2] = lease length in ms (integer > 0)
 -- ARGV[3] = the calling process's incarnation (an id, random per process)
@@ -11,7 +12,7 @@
 --   (audit, below); optional, 0 when absent
 -- ARGV[5] = instances whose counters one audit step checks (1..256; default 64)
 -- returns {status, deadline_ms, now_ms, expired_node_ids, void_instances_left,
---          previous_incarnation, audit}
+--          previous_incarnation, audit, rids}
 --   status 'ok': the lease was still live; 'expired': it had run out (a peer may be
 --   reaping this node's reservations); 'new': there was none (never held, reaped,
 --   or Redis lost the pool). After 'expired' or 'new' a node that held a lease must
@@ -23,6 +24,9 @@
 --   not: the pool's keys were then deleted before the renewal, as by FLUSHDB (a new
 --   run_id: every node re-asserts what it registered and holds, as after any loss of
 --   the pool), so that the counters carry no lost or hand-edited key for good.
+--   rids: how many ids KEYS[18] holds (-1 without it): never fewer than the
+--   reservations the node holds in Redis, unless the set was lost or edited (the
+--   reaper then could not release them when the node dies).
 if not valid_id(ARGV[1]) then return fail('bad_arg', 'node') end
 local lease = int_arg(ARGV[2], 86400000)
 if lease == nil or lease < 1 then return fail('bad_arg', 'lease_ms must be an integer > 0') end
@@ -104,4 +108,5 @@ local previous = redis.call('HGET', KEYS[17], 'incarnation') or ''
 redis.call('HSET', KEYS[17], 'incarnation', ARGV[3])
 redis.call('PEXPIRE', KEYS[17], lease)
 local expired = redis.call('ZRANGEBYSCORE', K_NODES, '-inf', '(' .. now)
-return {status, now + lease, now, expired, redis.call('SCARD', K_VOIDS), previous, found}
+local rids = KEYS[18] and redis.call('SCARD', KEYS[18]) or -1
+return {status, now + lease, now, expired, redis.call('SCARD', K_VOIDS), previous, found, rids}

@@ -34,6 +34,7 @@ local now = now_ms()
 if not lease_held(node, now) then return {'nolease'} end
 local raw = redis.call('HGET', K_RES, rid)
 if raw then
+  redis.call('SADD', KEYS[17], rid)  -- a set lost or edited by hand holds it again
   local rec = cjson.decode(raw)
   if rec.phase == 'prefill' and phase == 'decode' then
     first_token(rid, now)

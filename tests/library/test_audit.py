@@ -17,7 +17,7 @@ import pytest
 
 from coordinator import Coordinator, Settings
 from coordinator.coordinator import AUDIT_STEP
-from coordinator.packed import STATE_BYTES
+from coordinator.packed import STATE_BYTES, as_text
 from tests.conftest import MakeCoordinator
 from tests.helpers import (
     assert_counters_match_reservations,
@@ -293,4 +293,25 @@ async def test_a_lost_voids_set_is_found_while_void_records_remain(
     assert a.stats.audit_resets == 1
     await recovered(a)
     assert await live_reservations(a) == {}, "the restart had ended them"
+    await assert_counters_match_reservations(a)
+
+
+async def test_a_node_whose_rids_set_was_lost_restores_it(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """The reaper releases a dead node's reservations from its rids set: lost or
+    edited while the node lives, the node's next renewal finds fewer ids there than
+    it holds, and its re-assert puts them back."""
+    a = await make_coordinator("node-a", settings=AUDITING)
+    await a.register_instance(spec(0))
+    await a.renew_lease()
+    held = [await a.reserve(100, 10) for _ in range(3)]
+    rids = a.keys.node_rids("node-a")
+    await a.renew_lease()
+    assert a.coordination == "ok", "the set holds every reservation"
+    await a.redis.srem(rids, held[1].rid)
+    await a.renew_lease()
+    assert a.coordination == "degraded"
+    await recovered(a)
+    assert {as_text(m) for m in await a.redis.smembers(rids)} == {r.rid for r in held}
     await assert_counters_match_reservations(a)
