@@ -8,8 +8,8 @@ the client's transport and ends the exchange when it closes.
 Waits are bounded three ways (docs/reliability.md): connecting to the engine
 (`connect_timeout_s`), from sending the request to the first response byte
 (`first_byte_timeout_s`), and between two chunks (`idle_timeout_s`). A failure before
-any byte went to the client (refused, connect or first-byte timeout, empty 200) is
-retried once on another instance; otherwise the client gets a 502/504 JSON error, or a
+any byte went to the client (an engine's 5xx, refused, connect or first-byte timeout,
+empty 200) is retried once on another instance; otherwise the client gets a 502/504 JSON error, or a
 cut connection when part of the answer already went out. Every failed exchange is
 reported to passive health (proxy_node/health.py), which may eject the instance.
 
@@ -25,6 +25,7 @@ import math
 import time
 import uuid
 from contextlib import suppress
+from typing import NoReturn
 
 import aiohttp
 from aiohttp import web
@@ -52,12 +53,16 @@ MAX_ATTEMPTS = 2  # instances tried for one request when nothing reached the cli
 class _RetryableError(Exception):
     """The exchange failed before any byte reached the client: another instance may serve it."""
 
-    def __init__(self, status: int, message: str, code: str, res: Reservation) -> None:
+    def __init__(
+        self, status: int, message: str, code: str, res: Reservation, logged: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.res = res  # the failed attempt's reservation (its headers go on the error)
+        self.logged = logged or message  # what the log says: no engine body (it may echo
+        # the prompt: docs/security.md)
 
 
 def endpoint_of(path: str) -> str:
@@ -132,7 +137,7 @@ class Exchange:
             except _RetryableError as exc:
                 failure = exc
                 excluded.add(reservation.instance_id)
-                log.warning("request %s: %s", self.request_id, exc.message)
+                log.warning("request %s: %s", self.request_id, exc.logged)
                 if attempt + 1 < MAX_ATTEMPTS:
                     self.metrics.connect_retries.inc()
         assert failure is not None
@@ -339,7 +344,7 @@ class Exchange:
                         url, data=self.body, headers=headers, timeout=timeout, allow_redirects=False
                     )
                     if upstream.status >= 500:
-                        return await self._engine_error(upstream, res)
+                        await self._engine_error(upstream, res)
                     first = await upstream.content.readany()
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 phase = "connect" if isinstance(exc, aiohttp.ConnectionTimeoutError) else ""
@@ -379,20 +384,18 @@ class Exchange:
             if upstream is not None:
                 upstream.release()  # closes the connection unless the body was read to the end
 
-    async def _engine_error(
-        self, upstream: aiohttp.ClientResponse, res: Reservation
-    ) -> web.StreamResponse:
-        """The engine answered 5xx: a 502 quoting the start of its body."""
+    async def _engine_error(self, upstream: aiohttp.ClientResponse, res: Reservation) -> NoReturn:
+        """The engine answered 5xx, before any byte reached the client: another instance
+        is tried (as the SGLang Model Gateway retries 500, 502, 503 and 504 on another
+        worker); the last one's answer becomes a 502 quoting the start of its body."""
         detail = ""
         with suppress(aiohttp.ClientError, TimeoutError):
             raw = await upstream.content.read(ERROR_DETAIL_BYTES)
             detail = raw.decode("utf-8", "replace")
         self._report(res, False, f"status_{upstream.status}")
-        return self._error(
-            502,
-            f"instance {res.instance_id} answered {upstream.status}: {detail}".rstrip(": "),
-            "upstream_error",
-            res,
+        answered = f"instance {res.instance_id} answered {upstream.status}"
+        raise _RetryableError(
+            502, f"{answered}: {detail}".rstrip(": "), "upstream_error", res, logged=answered
         )
 
     async def _relay(

@@ -129,8 +129,9 @@ async def test_ejection_never_takes_more_than_the_configured_share(harness: Harn
         assert status == 502
     view = await loads(harness, node)
     assert sorted(row["outlier"]["ejected"] for row in view.values()) == [False, True]
-    # The one left in keeps serving (and failing) rather than leaving nothing.
-    assert sum(engine.requests for engine in engines) == 10
+    # The one left in keeps serving (and failing) rather than leaving nothing; each
+    # request is tried on both (its retry finds only the ejected one: panic mode).
+    assert sum(engine.requests for engine in engines) == 20
 
 
 async def test_a_success_resets_the_count_and_ejection_backs_off(harness: Harness) -> None:
@@ -180,9 +181,10 @@ async def test_ejection_can_be_turned_off(harness: Harness) -> None:
         )
         await node.coordinator.register_instance(spec)
     for _ in range(12):
-        await chat(harness, node)
-    # 6 failures in a row on e0: past the default threshold (5), yet never ejected.
-    assert bad.requests == 6 and good.requests == 6
+        assert (await chat(harness, node))[:2] == (200, "e1")  # e0's 500s retried on e1
+    # Each request's two reserves move the tie rotation twice: each tries e0 first. 12
+    # failures in a row on e0: past the default threshold (5), yet never ejected.
+    assert bad.requests == 12 and good.requests == 12
 
 
 # ---------------------------------------------------------------------- bounded waits
@@ -334,3 +336,22 @@ async def test_inspect_shows_the_ejection(harness: Harness) -> None:
     assert "1 ejected" in text
     e1 = next(line for line in text.splitlines() if " e1 " in f" {line} ")
     assert "ejected(" in e1
+
+
+@pytest.mark.parametrize("status", [500, 502, 503, 504])
+async def test_an_engine_5xx_is_retried_on_another_instance(harness: Harness, status: int) -> None:
+    """Nothing reached the client yet: the request goes to another instance, and the
+    failure still counts against the engine that answered 5xx."""
+    bad, good = await harness.engine(status=status), await harness.engine()
+    node = await harness.node()
+    await register(node, bad, good)
+    for _ in range(6):  # ties rotate: some go to e0 first
+        status_seen, instance, body = await chat(harness, node, STREAM)
+        assert (status_seen, instance) == (200, "e1")
+        assert body.rstrip().endswith(b"data: [DONE]")
+    assert bad.requests >= 1, "e0 was tried first at least once"
+    failures = await metric(
+        harness, node.url, "proxy_upstream_failures_total", reason=f"status_{status}"
+    )
+    assert failures == bad.requests
+    await wait_for(lambda: settled(node.coordinator), what="counters back to 0")
