@@ -9,9 +9,10 @@ Waits are bounded three ways (docs/reliability.md): connecting to the engine
 (`connect_timeout_s`), from sending the request to the first response byte
 (`first_byte_timeout_s`), and between two chunks (`idle_timeout_s`). A failure before
 any byte went to the client (an engine's 5xx, refused, connect or first-byte timeout,
-empty 200) is retried once on another instance; otherwise the client gets a 502/504 JSON error, or a
-cut connection when part of the answer already went out. Every failed exchange is
-reported to passive health (proxy_node/health.py), which may eject the instance.
+empty 200) is retried once on another instance; otherwise the client gets a 502/504
+JSON error, or a cut connection when part of the answer already went out. Every failed
+exchange is reported to passive health (proxy_node/health.py), which may eject the
+instance.
 
 The reservation id is always the node's own: a client's `X-Request-Id` is kept for
 logs and headers only, so two requests that share it still hold two reservations.
