@@ -30,6 +30,7 @@ from coordinator.connection import connect_redis, redact
 from coordinator.coordinator import Coordinator
 from coordinator.errors import CoordinatorError, InvalidArgumentError
 from coordinator.keys import POOL_NAME_RE, PoolKeys
+from coordinator.packed import as_text
 from coordinator.settings import Settings
 from coordinator.tasks import raise_if_cancelling
 from proxy_node.views import instance_loads_view, selection_exclusions
@@ -65,6 +66,9 @@ class PoolState:
     loads: dict[str, Any]  # exactly what /debug/instance_loads serves
     nodes: list[tuple[str, int]]  # (node id, lease deadline in Redis ms), soonest first
     phases: dict[str, int] = field(default_factory=dict)  # reservation phase -> count
+    # The last pool rebuild by the audit (lua/renew_lease.lua): what it found, and when
+    # (Redis ms); None when none happened since the pool's keys were last created.
+    audit_reset: tuple[str, int] | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -181,6 +185,9 @@ async def read_pool(coordinator: Coordinator, settings: Settings) -> PoolState:
             raise InspectError(f"cannot read pool {coordinator.pool!r}: Redis did not answer")
         keys = PoolKeys(settings.key_prefix, coordinator.pool)
         raw_nodes = await coordinator.redis.zrange(keys.column("nodes"), 0, -1, withscores=True)
+        found, at = await coordinator.redis.hmget(
+            keys.column("meta"), "audit_reset", "audit_reset_ms"
+        )
         outliers = await coordinator.read_outliers()
         phases: Counter[str] = Counter()
         async for _, raw in coordinator.redis.hscan_iter(
@@ -201,7 +208,8 @@ async def read_pool(coordinator: Coordinator, settings: Settings) -> PoolState:
         snapshot, ranking, settings, NODE_ID, coordinator.pool, outliers, index_tokens=held
     )
     nodes = [(str(node), int(deadline)) for node, deadline in raw_nodes]
-    return PoolState(loads, nodes, dict(sorted(phases.items())))
+    reset = (as_text(found), int(at)) if found is not None and at is not None else None
+    return PoolState(loads, nodes, dict(sorted(phases.items())), reset)
 
 
 def _phase_of(raw: Any) -> str:
@@ -305,13 +313,23 @@ def render(state: PoolState, redis_url: str, width: int | None = None) -> Group:
         ("  redis time ", "dim"),
         str(now_ms),
     )
-    return Group(
+    parts: list[RenderableType] = [
         header,
         _instance_table(instances, width),
         _timing_table(instances),
         _node_table(state.nodes, now_ms),
         _phase_line(state.phases),
-    )
+    ]
+    if state.audit_reset is not None:
+        found, at = state.audit_reset
+        parts.append(
+            Text.assemble(
+                ("rebuilt by the audit ", "bold red"),
+                f"{_age(max(0, now_ms - at))} ago: {found} (a key lost or edited by hand; "
+                "docs/reliability.md)",
+            )
+        )
+    return Group(*parts)
 
 
 # Instance table columns: (header, justify, keep). When the terminal is too narrow,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import io
 import json
 import os
@@ -201,6 +202,24 @@ async def test_tables_show_instances_leases_and_phases(
     await asyncio.to_thread(_save_svg, console, ARTIFACTS / "inspect_watch.svg")
 
 
+async def test_a_pool_the_audit_rebuilt_says_so(
+    quiet_pool: Coordinator, redis_url: str, pool: str
+) -> None:
+    """`meta`'s audit_reset and audit_reset_ms, once an audit cleared the pool."""
+    args = ("--redis-url", redis_url, "--pool", pool)
+    code, out, err = await inspect_cli(*args)
+    assert (code, err) == (0, "") and "rebuilt" not in out
+    meta = quiet_pool.keys.column("meta")
+    await quiet_pool.redis.hdel(meta, "audit_at")  # a step is due
+    await quiet_pool.redis.delete(quiet_pool.keys.column("reservations"))
+    await quiet_pool.renew_lease()
+    assert quiet_pool.stats.audit_resets == 1
+    code, out, err = await inspect_cli(*args)
+    assert (code, err) == (0, ""), err
+    line = next(line for line in out.splitlines() if line.startswith("rebuilt by the audit"))
+    assert "ago: reservations and by_instance hold other reservations" in line
+
+
 def busy_pool(instances: int = 16) -> PoolState:
     """A reading with wide values everywhere: long ids, 3 stale hints, 5-digit backlogs."""
     rows = [
@@ -243,6 +262,16 @@ def rendered(state: PoolState, width: int) -> str:
     text = console.file.getvalue()
     assert isinstance(text, str)
     return text
+
+
+def test_the_audit_line_shows_what_was_found_and_how_long_ago() -> None:
+    state = busy_pool()
+    now = int(state.loads["generated_at"])
+    assert "rebuilt" not in rendered(state, 160)
+    found = ("meta slots is not the slots held plus free_slots", now - 42_000)
+    state = dataclasses.replace(state, audit_reset=found)
+    line = next(line for line in rendered(state, 160).splitlines() if line.startswith("rebuilt by"))
+    assert "rebuilt by the audit 42.0s ago: meta slots is not the slots held" in line
 
 
 def test_a_busy_pool_fits_160_columns_and_narrower_terminals_hide_columns() -> None:
