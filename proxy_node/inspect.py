@@ -208,7 +208,8 @@ async def read_pool(coordinator: Coordinator, settings: Settings) -> PoolState:
         snapshot, ranking, settings, NODE_ID, coordinator.pool, outliers, index_tokens=held
     )
     nodes = [(str(node), int(deadline)) for node, deadline in raw_nodes]
-    reset = (as_text(found), int(at)) if found is not None and at is not None else None
+    at_ms = "" if at is None else as_text(at)  # written by the script: digits, unless edited
+    reset = (as_text(found), int(at_ms)) if found is not None and at_ms.isdigit() else None
     return PoolState(loads, nodes, dict(sorted(phases.items())), reset)
 
 
