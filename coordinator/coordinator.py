@@ -1228,6 +1228,8 @@ class Coordinator:
         A lease found expired or missing, after this node held one, means peers may
         have reaped its reservations (a stall beyond the lease, or Redis lost the
         pool): the node re-asserts them, through degraded mode as after an outage.
+        The same call runs the pool's audit step when one is due, and counts this
+        node's rids set; either finding damage makes the node re-assert too.
         """
         held = sum(1 for res in self._local.values() if res.in_redis)
         reply = await self._call("renew_lease", *self._renew_args(audit=True))

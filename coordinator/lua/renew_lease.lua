@@ -94,7 +94,7 @@ local found = ''
 if period > 0 then
   found = audit(now) or ''
   if found ~= '' then
-    for i = 1, 16 do redis.call('UNLINK', KEYS[i]) end
+    redis.call('UNLINK', unpack(KEYS, 1, 16))  -- the pool's columns
     run_id(now)
     redis.call('HSET', K_META, 'audit_at', now + period, 'audit_reset', found,
       'audit_reset_ms', string.format('%d', now))
