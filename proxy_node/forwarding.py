@@ -8,9 +8,10 @@ the client's transport and ends the exchange when it closes.
 Waits are bounded three ways (docs/reliability.md): connecting to the engine
 (`connect_timeout_s`), from sending the request to the first response byte
 (`first_byte_timeout_s`), and between two chunks (`idle_timeout_s`). A failure before
-any byte went to the client (an engine's 5xx, refused, connect or first-byte timeout,
-empty 200) is retried once on another instance; otherwise the client gets a 502/504
-JSON error, or a cut connection when part of the answer already went out. Every failed
+any byte went to the client (an engine's 5xx, 429 or 408, refused, connect or
+first-byte timeout, empty 200) is retried once on another instance; otherwise the
+client gets a JSON error (502/504, or the engine's own 429/408 with its Retry-After),
+or a cut connection when part of the answer already went out. Every failed
 exchange is reported to passive health (proxy_node/health.py), which may eject the
 instance.
 
@@ -47,15 +48,25 @@ from proxy_node.usage import OutputCounter
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.2  # how soon a vanished client frees its reservation when idle
-ERROR_DETAIL_BYTES = 512  # of an engine's 5xx body, quoted in the 502 message
+ERROR_DETAIL_BYTES = 512  # of an engine's error body, quoted in the error's message
 MAX_ATTEMPTS = 2  # instances tried for one request when nothing reached the client
+# An engine's 4xx that says "not now" rather than "bad request": overloaded, or timed
+# out waiting for the request. Another instance may take it (the SGLang Model Gateway
+# retries both); the client keeps the status, so its own backoff applies if all refuse.
+REFUSALS = frozenset({408, 429})
 
 
 class _RetryableError(Exception):
     """The exchange failed before any byte reached the client: another instance may serve it."""
 
     def __init__(
-        self, status: int, message: str, code: str, res: Reservation, logged: str | None = None
+        self,
+        status: int,
+        message: str,
+        code: str,
+        res: Reservation,
+        logged: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -64,6 +75,7 @@ class _RetryableError(Exception):
         self.res = res  # the failed attempt's reservation (its headers go on the error)
         self.logged = logged or message  # what the log says: no engine body (it may echo
         # the prompt: docs/security.md)
+        self.headers = headers or {}  # extra headers of the error, if it is the last
 
 
 def endpoint_of(path: str) -> str:
@@ -142,7 +154,7 @@ class Exchange:
                 if attempt + 1 < MAX_ATTEMPTS:
                     self.metrics.connect_retries.inc()
         assert failure is not None
-        return self._error(failure.status, failure.message, failure.code, failure.res)
+        return self._failed(failure)
 
     def fail(self, status: int, message: str, code: str) -> web.Response:
         """Answer an error before any byte of a response went out."""
@@ -163,6 +175,12 @@ class Exchange:
         headers = self._headers(res)
         headers.update(extra or {})
         return json_error(status, message, code, headers, closing=closing)
+
+    def _failed(self, failure: _RetryableError) -> web.Response:
+        """The client's answer when the last instance tried failed too."""
+        return self._error(
+            failure.status, failure.message, failure.code, failure.res, failure.headers
+        )
 
     def _headers(self, res: Reservation | None) -> dict[str, str]:
         if res is None:
@@ -264,7 +282,7 @@ class Exchange:
             return res
         except NoInstanceError as exc:
             if failure is not None:
-                return self._error(failure.status, failure.message, failure.code, failure.res)
+                return self._failed(failure)
             return self._error(503, str(exc), "no_instance")
         except PoolFullError as exc:
             retry_after = max(1, math.ceil(exc.retry_after_ms / 1000))
@@ -344,7 +362,7 @@ class Exchange:
                     upstream = await self.session.post(
                         url, data=self.body, headers=headers, timeout=timeout, allow_redirects=False
                     )
-                    if upstream.status >= 500:
+                    if upstream.status >= 500 or upstream.status in REFUSALS:
                         await self._engine_error(upstream, res)
                     first = await upstream.content.readany()
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
@@ -386,18 +404,25 @@ class Exchange:
                 upstream.release()  # closes the connection unless the body was read to the end
 
     async def _engine_error(self, upstream: aiohttp.ClientResponse, res: Reservation) -> NoReturn:
-        """The engine answered 5xx, before any byte reached the client: another instance
-        is tried (as the SGLang Model Gateway retries 500, 502, 503 and 504 on another
-        worker); the last one's answer becomes a 502 quoting the start of its body."""
+        """The engine answered 5xx, 429 or 408 before any byte reached the client: another
+        instance is tried (as the SGLang Model Gateway retries 408, 429, 500, 502, 503 and
+        504 on another worker). The last one's answer becomes a JSON error quoting the
+        start of its body: 502 for a 5xx; a 429 or 408 keeps its status and Retry-After,
+        so the client's own backoff applies when every instance refused."""
+        status = upstream.status
         detail = ""
         with suppress(aiohttp.ClientError, TimeoutError):
             raw = await upstream.content.read(ERROR_DETAIL_BYTES)
             detail = raw.decode("utf-8", "replace")
-        self._report(res, False, f"status_{upstream.status}")
-        answered = f"instance {res.instance_id} answered {upstream.status}"
-        raise _RetryableError(
-            502, f"{answered}: {detail}".rstrip(": "), "upstream_error", res, logged=answered
-        )
+        self._report(res, False, f"status_{status}")
+        answered = f"instance {res.instance_id} answered {status}"
+        message = f"{answered}: {detail}".rstrip(": ")
+        if status not in REFUSALS:
+            raise _RetryableError(502, message, "upstream_error", res, logged=answered)
+        retry_after = upstream.headers.get("Retry-After", "")
+        headers = {"Retry-After": retry_after} if retry_after else {}
+        code = "upstream_overloaded" if status == 429 else "upstream_request_timeout"
+        raise _RetryableError(status, message, code, res, logged=answered, headers=headers)
 
     async def _relay(
         self, upstream: aiohttp.ClientResponse, res: Reservation, first: bytes

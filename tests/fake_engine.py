@@ -33,6 +33,7 @@ class FakeEngine:
     delay_s: float = 0.0  # sleep before each chunk
     status: int = 200  # anything else: answer this status with `error_body`
     error_body: bytes = b'{"error":{"message":"nope","type":"invalid_request_error","code":"fake"}}'
+    error_headers: dict[str, str] = field(default_factory=dict)  # sent with `status`
     crash_after: int | None = None  # cut the connection after this many chunks
     hang: bool = False  # read the request and never answer (until stop)
     raw_body: bytes | None = None  # answer 200 with exactly these bytes (b"": empty body)
@@ -114,7 +115,10 @@ class FakeEngine:
             return web.Response(status=503)
         if self.status != 200:
             return web.Response(
-                status=self.status, body=self.error_body, content_type="application/json"
+                status=self.status,
+                body=self.error_body,
+                content_type="application/json",
+                headers=self.error_headers,
             )
         if self.raw_body is not None:
             return web.Response(body=self.raw_body, content_type="application/json")

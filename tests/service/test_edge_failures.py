@@ -338,10 +338,12 @@ async def test_inspect_shows_the_ejection(harness: Harness) -> None:
     assert "ejected(" in e1
 
 
-@pytest.mark.parametrize("status", [500, 502, 503, 504])
-async def test_an_engine_5xx_is_retried_on_another_instance(harness: Harness, status: int) -> None:
+@pytest.mark.parametrize("status", [500, 502, 503, 504, 429, 408])
+async def test_an_engine_5xx_429_or_408_is_retried_on_another_instance(
+    harness: Harness, status: int
+) -> None:
     """Nothing reached the client yet: the request goes to another instance, and the
-    failure still counts against the engine that answered 5xx."""
+    failure still counts against the engine that answered 5xx, 429 or 408."""
     bad, good = await harness.engine(status=status), await harness.engine()
     node = await harness.node()
     await register(node, bad, good)
@@ -354,4 +356,32 @@ async def test_an_engine_5xx_is_retried_on_another_instance(harness: Harness, st
         harness, node.url, "proxy_upstream_failures_total", reason=f"status_{status}"
     )
     assert failures == bad.requests
+    await wait_for(lambda: settled(node.coordinator), what="counters back to 0")
+
+
+@pytest.mark.parametrize(
+    ("status", "code"), [(429, "upstream_overloaded"), (408, "upstream_request_timeout")]
+)
+async def test_when_every_instance_refuses_the_client_gets_the_refusal(
+    harness: Harness, status: int, code: str
+) -> None:
+    """Both instances answered 429 (or 408): the client sees that status and the last
+    engine's Retry-After, so its own backoff applies; an engine's other 4xx is the
+    engine's answer and passes through untried elsewhere."""
+    refusal = {"status": status, "error_headers": {"Retry-After": "7"}}
+    first, second = await harness.engine(**refusal), await harness.engine(**refusal)
+    node = await harness.node()
+    await register(node, first, second)
+    async with await post(harness, node, STREAM) as resp:
+        assert resp.status == status
+        assert resp.headers["Retry-After"] == "7"
+        error = (await resp.json())["error"]
+    assert error["code"] == code and f"answered {status}" in error["message"]
+    assert (first.requests, second.requests) == (1, 1)
+    await wait_for(lambda: settled(node.coordinator), what="counters back to 0")
+    first.status = second.status = 404
+    async with await post(harness, node, STREAM) as resp:
+        assert resp.status == 404
+        assert await resp.read() == first.error_body
+    assert first.requests + second.requests == 3, "a 404 is not tried elsewhere"
     await wait_for(lambda: settled(node.coordinator), what="counters back to 0")
