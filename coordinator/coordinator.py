@@ -104,7 +104,8 @@ TIMING_STEP = 32
 # Held marks and releases one call carries: 20-50 µs of Redis time each, so a burst
 # of completions (an engine that dropped its streams) goes in bounded calls.
 CARRY_STEP = 32
-# Instances whose counters one audit step checks (lua/renew_lease.lua allows 256).
+# Instances whose counters, and reservations whose node, one audit step checks
+# (lua/renew_lease.lua allows 256).
 AUDIT_STEP = 64
 # reserve's arguments before its candidates, and per candidate: the id and its packed
 # slot, prefill_ms, decode_ms and three guard bounds (lua/reserve.lua,
@@ -164,6 +165,7 @@ class Stats:
     node_id_conflicts: int = 0  # renewals that found another process renewed this lease
     server_changes: int = 0  # calls that reached another Redis server process: re-asserted
     audit_resets: int = 0  # pools this node's audit found inconsistent and cleared
+    orphans_released: int = 0  # reservations this node's audit found with no node left
 
 
 # read_state's reply: a view (PoolCache.apply_view's fields), then the leased nodes.
@@ -1243,6 +1245,14 @@ class Coordinator:
             self._enter_degraded(
                 f"this node's rids set holds {reply[7]} ids for its {held} reservations "
                 "in Redis (lost or edited): re-asserting them"
+            )
+        if orphans := int(reply[8]):
+            self.stats.orphans_released += orphans
+            log.warning(
+                "pool %s: released %d reservations whose node holds no lease (its rids "
+                "set or the nodes key was lost or edited before the reaper came)",
+                self.pool,
+                orphans,
             )
         self._lease_renewed(reply)
         self._voids_left = int(reply[4])

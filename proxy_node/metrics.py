@@ -141,6 +141,12 @@ class PressureCollector(Collector):
                 stats.audit_resets,
             ),
             (
+                "proxy_coordination_orphans_released",
+                "Reservations this node's audit released because their node held no lease "
+                "(a rids set or the nodes key lost or edited before the reaper came)",
+                stats.orphans_released,
+            ),
+            (
                 "proxy_coordination_write_refusals",
                 "Redis replies refusing a write (OOM, READONLY, MISCONF, NOREPLICAS)",
                 stats.write_refusals,

@@ -10,9 +10,10 @@
 -- ARGV[4] = audit period in ms (0 = no audit): the pool's bookkeeping is checked
 --   against itself, one bounded step at most once per period for the whole fleet
 --   (audit, below); optional, 0 when absent
--- ARGV[5] = instances whose counters one audit step checks (1..256; default 64)
+-- ARGV[5] = instances whose counters, and reservations whose node, one audit step
+--   checks (1..256; default 64)
 -- returns {status, deadline_ms, now_ms, expired_node_ids, void_instances_left,
---          previous_incarnation, audit, rids}
+--          previous_incarnation, audit, rids, orphans}
 --   status 'ok': the lease was still live; 'expired': it had run out (a peer may be
 --   reaping this node's reservations); 'new': there was none (never held, reaped,
 --   or Redis lost the pool). After 'expired' or 'new' a node that held a lease must
@@ -27,6 +28,9 @@
 --   rids: how many ids KEYS[18] holds (-1 without it): never fewer than the
 --   reservations the node holds in Redis, unless the set was lost or edited (the
 --   reaper then could not release them when the node dies).
+--   orphans: reservations the audit step released because their node holds no lease
+--   at all: a node the reaper removed (after its rids set, lost or edited, named
+--   them no more) or a lost `nodes` key; nothing else would ever release them.
 if not valid_id(ARGV[1]) then return fail('bad_arg', 'node') end
 local lease = int_arg(ARGV[2], 86400000)
 if lease == nil or lease < 1 then return fail('bad_arg', 'lease_ms must be an integer > 0') end
@@ -36,16 +40,25 @@ if period == nil then return fail('bad_arg', 'audit period_ms must be an integer
 local per_step = int_arg(ARGV[5] or '64', 256)
 if per_step == nil or per_step < 1 then return fail('bad_arg', 'audit step in 1..256') end
 
+-- One bounded step of an HSCAN of `key` that resumes where the last step stopped:
+-- `cursor`, and `offset` into a reply longer than `per_step` (a small hash comes
+-- whole). Returns the reply's field/value list, the first and last pair to visit, and
+-- the position after them.
+local function scan_step(key, cursor, offset, per_step)
+  cursor, offset = cursor or '0', tonumber(offset) or 0
+  local scan = redis.call('HSCAN', key, cursor, 'COUNT', per_step)
+  local found = scan[2]
+  local last = math.min(#found / 2, offset + per_step)
+  if last < #found / 2 then return found, offset + 1, last, cursor, last end
+  return found, offset + 1, last, scan[1], 0
+end
+
 -- The first relation between the pool's keys that does not hold, or nil. Every
 -- script keeps each one: a key lost to eviction (a maxmemory-policy other than
 -- noeviction), deleted or edited by hand breaks one. Each step checks the pool-wide
 -- ones and the counters of `per_step` instances, in O(per_step) commands: the next
--- ones an HSCAN of `slot` returns, from meta's audit_cursor, and audit_offset into a
--- reply longer than that (a small hash comes whole).
-local function audit(now)
-  local m = redis.call('HMGET', K_META, 'audit_at', 'audit_cursor', 'audit_offset', 'slots',
-    'inflight_total')
-  if tonumber(m[1] or '0') > now then return nil end
+-- ones a scan_step of `slot` returns.
+local function check_relations(m)
   local held = redis.call('HLEN', K_SLOT)
   if (tonumber(m[4]) or 0) ~= held + redis.call('ZCARD', K_FREE_SLOTS) then
     return 'meta slots is not the slots held plus free_slots'
@@ -64,10 +77,8 @@ local function audit(now)
       or (total < records and redis.call('SCARD', K_VOIDS) == 0) then
     return string.format('meta inflight_total is %d, reservations %d', total, records)
   end
-  local scan = redis.call('HSCAN', K_SLOT, m[2] or '0', 'COUNT', per_step)
-  local found, offset = scan[2], tonumber(m[3]) or 0
-  local last = math.min(#found / 2, offset + per_step)
-  for j = offset + 1, last do
+  local found, first, last, cursor, offset = scan_step(K_SLOT, m[2], m[3], per_step)
+  for j = first, last do
     local id = found[2 * j - 1]
     local epoch = tonumber(redis.call('HGET', K_EPOCH, id))
     if not epoch then return 'slot names ' .. id .. ', epoch does not' end
@@ -79,20 +90,53 @@ local function audit(now)
         pending + decode, id, indexed)
     end
   end
-  if last < #found / 2 then  -- the rest of this reply in the next steps
-    redis.call('HSET', K_META, 'audit_at', now + period, 'audit_offset', last)
-  else
-    redis.call('HSET', K_META, 'audit_at', now + period, 'audit_cursor', scan[1],
-      'audit_offset', 0)
+  return nil, cursor, offset
+end
+
+-- Release the orphans among the next `per_step` reservations (a scan_step of
+-- `reservations`): records whose node is not in `nodes` at all. A node is there from
+-- its first reserve or renewal until the reaper has released everything its rids set
+-- names; a record outliving that (the set was lost or edited before the node died,
+-- or `nodes` itself was lost) has no one left to release it. Returns how many it
+-- released and the scan's position.
+local function release_orphans(m, now)
+  local found, first, last, cursor, offset = scan_step(K_RES, m[6], m[7], per_step)
+  local leased, touched, released = {[ARGV[1]] = true}, {}, 0  -- the caller is alive
+  for j = first, last do
+    local raw = found[2 * j]
+    local node = string.match(raw, '"node":"([^"]*)"')
+    if node and leased[node] == nil then
+      leased[node] = redis.call('ZSCORE', K_NODES, node) ~= false
+    end
+    if node and not leased[node] then
+      drop_reservation(found[2 * j - 1], cjson.decode(raw), now, touched)
+      released = released + 1
+    end
   end
-  return nil
+  sync_touched(touched)
+  commit_state()
+  return released, cursor, offset
+end
+
+-- One audit step when one is due: what did not hold ('' when all did), and how many
+-- orphaned reservations it released.
+local function audit(now)
+  local m = redis.call('HMGET', K_META, 'audit_at', 'audit_cursor', 'audit_offset', 'slots',
+    'inflight_total', 'orphan_cursor', 'orphan_offset')
+  if tonumber(m[1] or '0') > now then return '', 0 end
+  local found, cursor, offset = check_relations(m)
+  if found then return found, 0 end
+  local released, orphan_cursor, orphan_offset = release_orphans(m, now)
+  redis.call('HSET', K_META, 'audit_at', now + period, 'audit_cursor', cursor,
+    'audit_offset', offset, 'orphan_cursor', orphan_cursor, 'orphan_offset', orphan_offset)
+  return '', released
 end
 
 local now = now_ms()
 run_id(now)
-local found = ''
+local found, orphans = '', 0
 if period > 0 then
-  found = audit(now) or ''
+  found, orphans = audit(now)
   if found ~= '' then
     redis.call('UNLINK', unpack(KEYS, 1, 16))  -- the pool's columns
     run_id(now)
@@ -109,4 +153,5 @@ redis.call('HSET', KEYS[17], 'incarnation', ARGV[3])
 redis.call('PEXPIRE', KEYS[17], lease)
 local expired = redis.call('ZRANGEBYSCORE', K_NODES, '-inf', '(' .. now)
 local rids = KEYS[18] and redis.call('SCARD', KEYS[18]) or -1
-return {status, now + lease, now, expired, redis.call('SCARD', K_VOIDS), previous, found, rids}
+return {status, now + lease, now, expired, redis.call('SCARD', K_VOIDS), previous, found, rids,
+  orphans}

@@ -125,6 +125,7 @@ async def test_the_pool_as_the_scripts_leave_it_is_never_reset(
     async def audited() -> None:
         await audit(a)
         assert a.stats.audit_resets == 0, steps[-1]
+        assert a.stats.orphans_released == 0, steps[-1]
 
     for i in range(4):
         steps.append(f"register i{i}")
@@ -314,4 +315,71 @@ async def test_a_node_whose_rids_set_was_lost_restores_it(
     assert a.coordination == "degraded"
     await recovered(a)
     assert {as_text(m) for m in await a.redis.smembers(rids)} == {r.rid for r in held}
+    await assert_counters_match_reservations(a)
+
+
+async def dead_and_reaped(a: Coordinator, dead: Coordinator) -> None:
+    """Let `dead` die (its lease runs out) and a's reaper remove it from `nodes`."""
+    await dead.close()
+
+    async def reaped() -> bool:
+        await a.reap_expired()
+        return await a.redis.zscore(a.keys.column("nodes"), dead.node_id) is None
+
+    await wait_for(reaped, what=f"{dead.node_id} reaped")
+
+
+@pytest.mark.parametrize("lost", ["its whole rids set", "one id of its rids set"])
+async def test_a_dead_nodes_reservations_its_rids_set_no_longer_named_are_released(
+    make_coordinator: MakeCoordinator, lost: str
+) -> None:
+    """The reaper releases what a dead node's rids set names, then removes the node;
+    records the set had lost outlive it with nobody to release them. The audit's step
+    over `reservations` releases those orphans (whose node is not in `nodes` at all),
+    and never a live or merely expired node's."""
+    a = await make_coordinator("node-a", settings=AUDITING)
+    dead = await make_coordinator("node-dead", settings=AUDITING.with_(lease_ms=200))
+    for i in range(2):
+        await a.register_instance(spec(i))
+    mine = [await a.reserve(100, 10) for _ in range(2)]
+    doomed = [await dead.reserve(100, 10) for _ in range(3)]
+    await dead.mark_first_token(doomed[0].rid)
+    rids = a.keys.node_rids(dead.node_id)
+    if lost == "one id of its rids set":
+        assert await a.redis.srem(rids, doomed[1].rid) == 1
+    else:
+        assert await a.redis.delete(rids) == 1
+    orphans = 1 if lost == "one id of its rids set" else 3
+    await audit(a)  # the dead node still holds its lease: nothing is an orphan yet
+    assert a.stats.orphans_released == 0
+    await dead_and_reaped(a, dead)
+    assert len(await live_reservations(a)) == len(mine) + orphans, "the reaper missed them"
+
+    await audit(a)
+    assert a.stats.orphans_released == orphans
+    assert set(await live_reservations(a)) == {r.rid for r in mine}
+    await assert_counters_match_reservations(a)
+    await audit(a)
+    assert (a.stats.orphans_released, a.stats.audit_resets) == (orphans, 0)
+
+
+async def test_a_lost_nodes_key_orphans_only_the_dead(make_coordinator: MakeCoordinator) -> None:
+    """With `nodes` lost, a dead node is never listed as expired again, so its
+    reservations are orphans; a live node's look the same until its next renewal,
+    which finds its lease gone and re-asserts them."""
+    a = await make_coordinator("node-a", settings=AUDITING)
+    b = await make_coordinator("node-b", settings=AUDITING)
+    dead = await make_coordinator("node-dead", settings=AUDITING.with_(lease_ms=200))
+    await a.register_instance(spec(0))
+    held = [await a.reserve(100, 10), await b.reserve(100, 10)]
+    await dead.reserve(100, 10)
+    await dead.close()
+    assert await a.redis.delete(a.keys.column("nodes")) == 1
+    await audit(a)  # a, the caller, counts as alive: its lease is renewed next
+    assert a.stats.orphans_released == 2, "b's and the dead node's"
+    await b.renew_lease()
+    assert b.coordination == "degraded", "b's lease was gone: it re-asserts"
+    await recovered(a)  # its renewal found its lease gone too
+    await recovered(b)
+    assert set(await live_reservations(a)) == {r.rid for r in held}
     await assert_counters_match_reservations(a)
