@@ -211,7 +211,7 @@ class NodeMetrics:
         )
         self.connect_retries = Counter(
             "proxy_upstream_connect_retries",
-            "Requests retried on another instance after a failure that reached no client byte (an engine 5xx, refused, connect or first-byte timeout, empty answer)",
+            "Requests retried on another instance after a failure that reached no client byte (an engine 5xx, 429 or 408, refused, connect or first-byte timeout, empty answer)",
             registry=r,
         )
         self.accept_errors = Counter(
