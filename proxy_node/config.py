@@ -39,6 +39,7 @@ ENV_VARS: dict[str, tuple[str, ...]] = {
     "connect_timeout_s": ("COORD_CONNECT_TIMEOUT_S",),
     "first_byte_timeout_s": ("COORD_FIRST_BYTE_TIMEOUT_S",),
     "idle_timeout_s": ("COORD_IDLE_TIMEOUT_S",),
+    "send_timeout_s": ("COORD_SEND_TIMEOUT_S",),
     "header_timeout_s": ("COORD_HEADER_TIMEOUT_S",),
     "max_connections": ("COORD_MAX_CONNECTIONS",),
     "drain_timeout_s": ("COORD_DRAIN_TIMEOUT_S",),
@@ -61,6 +62,7 @@ FLOAT_FIELDS = frozenset(
         "connect_timeout_s",
         "first_byte_timeout_s",
         "idle_timeout_s",
+        "send_timeout_s",
         "header_timeout_s",
         "drain_timeout_s",
         "drain_delay_s",
@@ -78,6 +80,7 @@ POSITIVE_SECONDS = (
     "connect_timeout_s",
     "first_byte_timeout_s",
     "idle_timeout_s",
+    "send_timeout_s",
     "header_timeout_s",
     "drain_timeout_s",
     "eject_failure_window_s",
@@ -111,6 +114,8 @@ class NodeConfig:
     first_byte_timeout_s: float = 120.0  # request sent -> first response byte (whole answer
     # of a non-streaming request); then another instance is tried, or 504
     idle_timeout_s: float = 60.0  # longest silence between two chunks of a response
+    send_timeout_s: float = 60.0  # longest one write to the client may wait (a client that
+    # stopped reading; nginx send_timeout); then its connection is cut
     header_timeout_s: float = 60.0  # a client's request head (and an idle keep-alive) must
     # arrive within this; slowloris connections are closed
     max_connections: int = 0  # open client connections per plane (0 = half the open-file limit)

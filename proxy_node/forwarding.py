@@ -7,7 +7,8 @@ the client's transport and ends the exchange when it closes.
 
 Waits are bounded three ways (docs/reliability.md): connecting to the engine
 (`connect_timeout_s`), from sending the request to the first response byte
-(`first_byte_timeout_s`), and between two chunks (`idle_timeout_s`). A failure before
+(`first_byte_timeout_s`), and between two chunks (`idle_timeout_s`); and a client that
+stops reading is dropped after `send_timeout_s`. A failure before
 any byte went to the client (an engine's 5xx, 429 or 408, refused, connect or
 first-byte timeout, empty 200) is retried once on another instance; otherwise the
 client gets a JSON error (502/504, or the engine's own 429/408 with its Retry-After),
@@ -446,10 +447,13 @@ class Exchange:
         idle_s = self.config.idle_timeout_s
         while chunk:
             try:
-                await response.write(chunk)
+                async with asyncio.timeout(self.config.send_timeout_s):
+                    await response.write(chunk)
             except ConnectionError:
                 self.status, self.outcome = 499, "client_disconnect"
                 return response
+            except TimeoutError:
+                return self._client_stalled(response)
             if not marked:
                 marked = True
                 first_at = self.loop.time()
@@ -488,8 +492,13 @@ class Exchange:
                 if transport is not None:
                     transport.close()
                 return response
-        with suppress(ConnectionError):
-            await response.write_eof()
+        try:
+            async with asyncio.timeout(self.config.send_timeout_s):
+                await response.write_eof()
+        except ConnectionError:
+            pass
+        except TimeoutError:
+            return self._client_stalled(response)
         problem = counter.problem() if counter is not None else None
         if problem is not None:
             log.warning(
@@ -502,6 +511,22 @@ class Exchange:
         self._report(res, problem is None, problem or "")
         if counter is not None and problem is None:
             self._learn(res, counter.tokens(), first_at)
+        return response
+
+    def _client_stalled(self, response: web.StreamResponse) -> web.StreamResponse:
+        """The client read nothing for `send_timeout_s`: its connection is dropped with
+        what it did not take, which ends the engine's stream and frees the reservation
+        (a reader that stopped would hold both for good). The engine is not at fault."""
+        self.status, self.outcome = 499, "client_stalled"
+        log.warning(
+            "request %s: the client took no response bytes for %g s: connection dropped",
+            self.request_id,
+            self.config.send_timeout_s,
+        )
+        response.force_close()
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()  # close() would wait to flush what the client does not read
         return response
 
     def _learn(self, res: Reservation, tokens: int | None, first_at: float) -> None:

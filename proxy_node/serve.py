@@ -160,6 +160,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"is cut [env COORD_IDLE_TIMEOUT_S; default {d.idle_timeout_s:g}]",
     )
     add(
+        "--send-timeout-s",
+        type=float,
+        default=S,
+        help="longest a write of the response to the client may wait (a client that "
+        "stopped reading holds the engine's stream and its reservation); on expiry the "
+        f"client's connection is cut [env COORD_SEND_TIMEOUT_S; default {d.send_timeout_s:g}]",
+    )
+    add(
         "--header-timeout-s",
         type=float,
         default=S,
@@ -263,6 +271,7 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         "connect_timeout_s",
         "first_byte_timeout_s",
         "idle_timeout_s",
+        "send_timeout_s",
         "header_timeout_s",
         "max_connections",
         "drain_timeout_s",

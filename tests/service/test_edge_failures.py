@@ -8,7 +8,10 @@ a client's X-Request-Id never becomes a reservation id.
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 from typing import Any
+from urllib.parse import urlparse
 
 import aiohttp
 import pytest
@@ -228,6 +231,49 @@ async def test_a_stream_that_stalls_is_cut_after_the_idle_timeout(harness: Harne
 
 
 # ---------------------------------------------------------------------- request body
+
+
+async def stalled_reader(node: NodeServer, body: Any) -> socket.socket:
+    """A client that sends a request and never reads its answer (a small receive
+    buffer, so the node's writes soon wait on it)."""
+    url = urlparse(node.url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, (url.hostname, url.port))
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    await loop.sock_sendall(sock, head.encode() + data)
+    return sock
+
+
+async def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout(
+    harness: Harness,
+) -> None:
+    """A write to a client that stopped reading never completes: it would hold the
+    engine's stream and its reservation for good (the idle timeout watches only the
+    engine). After send_timeout_s the client's connection is dropped, the reservation
+    released and the engine's stream ended; the engine is not blamed."""
+    engine = await harness.engine(chunks=200_000)  # ~30 MB of stream: more than buffers hold
+    node = await harness.node(send_timeout_s=0.5)
+    await register(node, engine)
+    sock = await stalled_reader(node, STREAM)
+    try:
+        await wait_for(lambda: engine.requests == 1, what="the request to reach the engine")
+        await wait_for(lambda: settled(node.coordinator), what="the reservation to be released")
+        await wait_for(lambda: engine.active == 0, what="the engine's stream to end")
+        assert engine.completed == 0, "the stream ended early, not by itself"
+        stalled = await metric(
+            harness, node.url, "proxy_request_outcomes_total", outcome="client_stalled"
+        )
+        assert stalled == 1
+        assert await metric(harness, node.url, "proxy_upstream_failures_total") == 0
+    finally:
+        sock.close()
 
 
 @pytest.mark.parametrize(
