@@ -409,13 +409,18 @@ class Exchange:
         instance is tried (as the SGLang Model Gateway retries 408, 429, 500, 502, 503 and
         504 on another worker). The last one's answer becomes a JSON error quoting the
         start of its body: 502 for a 5xx; a 429 or 408 keeps its status and Retry-After,
-        so the client's own backoff applies when every instance refused."""
+        so the client's own backoff applies when every instance refused. All but a 429
+        count against the engine for passive health."""
         status = upstream.status
         detail = ""
         with suppress(aiohttp.ClientError, TimeoutError):
             raw = await upstream.content.read(ERROR_DETAIL_BYTES)
             detail = raw.decode("utf-8", "replace")
-        self._report(res, False, f"status_{status}")
+        if status != 429:
+            # A 429 is a healthy engine that is full: ejecting it would take capacity
+            # away just when the fleet needs it (Envoy's outlier detection and nginx's
+            # max_fails leave it out too). A 408 is an engine that could not read a request.
+            self._report(res, False, f"status_{status}")
         answered = f"instance {res.instance_id} answered {status}"
         message = f"{answered}: {detail}".rstrip(": ")
         if status not in REFUSALS:
