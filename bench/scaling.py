@@ -1571,12 +1571,22 @@ def reasons(r: Results) -> list[str]:
                 "and formatting the JSON reservation records, the lex index members and the "
                 "packed records."
             )
+        slower = ", ".join(
+            f"{cell[(n, 1)]['usec_per_req']:.0f} µs against "
+            f"{cell[(n, 1)]['busy_usec_per_req']:.0f} µs at {n:,} instances"
+            for n in SIZES
+        )
         out.append(
-            f"- A call costs the server {floor['call_cpu']:.0f} µs of CPU before any work "
-            f"(EVALSHA of `return 1` with the pool keys; a PING: {floor['ping_cpu']:.0f} µs) "
-            "when the client waits for each reply: the server idles between calls, and on "
-            "this machine (a 2-core VM) each wake-up costs more CPU than a small script. With "
-            "server and client pinned to one core (`taskset`), a PING measured 4.5 µs, "
+            "- A client that waits for each reply costs the server more than the calls' own "
+            f"work. A call costs {floor['call_cpu']:.0f} µs of CPU before any work (EVALSHA of "
+            f"`return 1` with the pool keys; a PING: {floor['ping_cpu']:.0f} µs), and the "
+            "scripts themselves run slower when the server idles between calls: inside "
+            f"scripts per request, live against the same calls replayed back to back: "
+            f"{slower}. On this machine (a 2-core VM shared with the client) the server "
+            "sleeps between a waiting client's calls and wakes slower (cold caches, most "
+            "likely: not measured here); how much that costs varies from day to day "
+            "(another day's run of this bench measured 40 µs per call before any work). "
+            "With server and client pinned to one core (`taskset`), a PING measured 4.5 µs, "
             "against 27 µs on different cores, in an ad-hoc run of the same loop."
         )
         for n in SIZES:
