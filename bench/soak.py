@@ -47,6 +47,7 @@ from redis.asyncio import Redis
 
 from bench.docs import add_write_docs
 from coordinator.keys import PoolKeys
+from coordinator.packed import state_by_instance
 from local_fleet.cluster import Child, LocalCluster, free_port_block
 from local_fleet.embedded import EmbeddedRedis
 
@@ -145,6 +146,25 @@ class Results:
 
 
 # ---------------------------------------------------------------------- the soak
+
+
+PoolState = tuple[dict[str, dict[str, int]], dict[str, Any], dict[str, int]]
+
+
+async def read_pool_state(client: Redis, keys: PoolKeys) -> PoolState:
+    """Counters (from the packed `state` records, their only store), reservation
+    records and epochs, read atomically (MULTI/EXEC); `client` decodes replies."""
+    pipe = client.pipeline(transaction=True)
+    pipe.hgetall(keys.column("slot"))
+    pipe.get(keys.column("state"))
+    pipe.hgetall(keys.column("reservations"))
+    pipe.hgetall(keys.column("epoch"))
+    slots, state, raw_records, raw_epochs = await pipe.execute()
+    stored = state_by_instance(slots, state)
+    counters = {n: {iid: getattr(r, n) for iid, r in stored.items()} for n in COUNTERS}
+    records = {rid: json.loads(raw) for rid, raw in raw_records.items()}
+    epochs = {k: int(v) for k, v in raw_epochs.items()}
+    return counters, records, epochs
 
 
 class Soak:
@@ -314,20 +334,9 @@ class Soak:
 
     # ------------------------------------------------------------------ checks
 
-    async def pool_state(self) -> tuple[dict[str, dict[str, int]], dict[str, Any], dict[str, int]]:
-        """Counters, reservation records and epochs, read atomically (MULTI/EXEC)."""
-        pipe = self.client.pipeline(transaction=True)
-        for name in COUNTERS:
-            pipe.hgetall(self.keys.column(name))
-        pipe.hgetall(self.keys.column("reservations"))
-        pipe.hgetall(self.keys.column("epoch"))
-        replies = await pipe.execute()
-        counters = {
-            n: {k: int(v) for k, v in r.items()} for n, r in zip(COUNTERS, replies[:3], strict=True)
-        }
-        records = {rid: json.loads(raw) for rid, raw in replies[3].items()}
-        epochs = {k: int(v) for k, v in replies[4].items()}
-        return counters, records, epochs
+    async def pool_state(self) -> PoolState:
+        """Counters, reservation records and epochs, read atomically."""
+        return await read_pool_state(self.client, self.keys)
 
     @staticmethod
     def inconsistencies(

@@ -24,6 +24,7 @@ their source of truth); `coordinator inspect` decodes both records.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,6 +162,13 @@ def unpack_state(blob: bytes, slot: int) -> StateRecord:
         return StateRecord()
     pending, decode, free_at, earliest, pending_ms, started = _fields(blob, offset, STATE_FIELDS)
     return StateRecord(pending + decode, pending, decode, free_at, earliest, pending_ms, started)
+
+
+def state_by_instance(raw_slots: Mapping[Any, Any], state: Any) -> dict[str, StateRecord]:
+    """Every registered instance's `state` record: `raw_slots` is the `slot` hash as
+    read (instance -> slot), `state` the `state` string (read in one MULTI with it)."""
+    blob = as_bytes(state)
+    return {as_text(iid): unpack_state(blob, int(slot)) for iid, slot in raw_slots.items()}
 
 
 def unpack_live(blob: bytes, slot: int) -> LiveRecord:

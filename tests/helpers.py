@@ -13,7 +13,7 @@ import pytest
 
 from coordinator import Coordinator, InstanceSpec, Settings
 from coordinator.keys import PoolKeys
-from coordinator.packed import LIVE_BYTES, LiveRecord, as_bytes, pack_live, unpack_state
+from coordinator.packed import LIVE_BYTES, LiveRecord, pack_live, state_by_instance
 from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError, free_port
 
 COUNTER_COLUMNS = ("inflight", "pending_prefill", "active_decode")
@@ -37,28 +37,15 @@ def decode_counters(raw_slots: dict[Any, Any], state: Any) -> dict[str, dict[str
     place they are stored): name -> instance -> value, for the COUNTER_COLUMNS plus
     pending_prefill_ms, prefill_free_at_ms, earliest_end_at_ms and started. `raw_slots` is the
     `slot` hash (instance -> slot) as read, `state` the `state` string."""
-    blob = as_bytes(state)
-    out: dict[str, dict[str, int]] = {
-        name: {}
-        for name in (
-            *COUNTER_COLUMNS,
-            "pending_prefill_ms",
-            "prefill_free_at_ms",
-            "earliest_end_at_ms",
-            "started",
-        )
-    }
-    for iid, slot in raw_slots.items():
-        record = unpack_state(blob, int(slot))
-        iid = iid.decode() if isinstance(iid, bytes) else iid
-        out["inflight"][iid] = record.inflight
-        out["pending_prefill"][iid] = record.pending_prefill
-        out["active_decode"][iid] = record.active_decode
-        out["pending_prefill_ms"][iid] = record.pending_prefill_ms
-        out["prefill_free_at_ms"][iid] = record.prefill_free_at_ms
-        out["earliest_end_at_ms"][iid] = record.earliest_end_at_ms
-        out["started"][iid] = record.started
-    return out
+    records = state_by_instance(raw_slots, state)
+    names = (
+        *COUNTER_COLUMNS,
+        "pending_prefill_ms",
+        "prefill_free_at_ms",
+        "earliest_end_at_ms",
+        "started",
+    )
+    return {name: {iid: getattr(r, name) for iid, r in records.items()} for name in names}
 
 
 async def packed_counters(c: Coordinator) -> dict[str, dict[str, int]]:
