@@ -15,8 +15,9 @@ reaper, and reports: requests sent / completed / disconnected / failed (each fai
 with its cause, and whether the fault in progress explains it), reservations left in
 Redis after quiesce (must be 0), client-side TTFT p99 per minute, the invariant
 checks made during the run, and each node's RSS at start and end (from /proc).
-With --write-docs it writes docs/reliability.md, with the raw results embedded so
-that `--rerender` can rebuild the page without running again.
+With --write-docs it writes its section of docs/reliability.md (between the
+`soak` markers), with the raw results embedded so that `--rerender` can rebuild the
+section without running again.
 
     python bench/soak.py --write-docs         # 10 minutes (the documented run)
     python bench/soak.py --minutes 2 --fault-every 10 20    # a quick smoke run, print only
@@ -45,13 +46,14 @@ from typing import Any, TextIO
 import aiohttp
 from redis.asyncio import Redis
 
-from bench.docs import add_write_docs
+from bench.docs import add_write_docs, write_section
 from coordinator.keys import PoolKeys
 from coordinator.packed import state_by_instance
 from local_fleet.cluster import Child, LocalCluster, free_port_block
 from local_fleet.embedded import EmbeddedRedis
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
+DOC_SECTION = "soak"  # <!-- soak:start --> ... <!-- soak:end --> in DOC
 RESULTS_START = "```json soak-results"
 FAULT_KINDS = ("kill_node", "restart_redis", "sigstop_redis", "script_flush", "restart_engine")
 POOL = "soak"
@@ -839,113 +841,6 @@ def report_tables(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-DOC_HEAD = """# Reliability
-
-What happens to a fleet of proxy nodes when a node, Redis, the network to Redis or an
-engine fails, and how that is checked. DESIGN.md §5 states the failure semantics and
-§6 the invariants; this page lists the tests that enforce them, what they found, and
-a soak run.
-
-## The fault suite (`tests/faults/`, runs in CI)
-
-Every test starts real processes on 127.0.0.1: a Redis-compatible server (a private
-one when the fault hits Redis itself), two proxy nodes (`python -m coordinator_cli.main
-serve`, lease 1.5 s through `COORD_LEASE_MS`, every other knob at its default, Redis
-timeout 100 ms included) and mock engines (`coordinator mock-engine`, self-registered
-through a node's control plane, or listed on every node with `--instance`). An
-asyncio load generator sends streaming chat requests round-robin to the nodes during
-the whole fault and records, per request, its status, whether the stream ended with
-`[DONE]`, the instance that served it and its `X-Request-Id`. That id becomes the
-reservation id, so a test compares the reservations in Redis with the streams
-actually open at the clients. Every process is killed when a test ends, whatever
-happened; the whole directory takes about 100 s on 2 busy cores.
-
-"Counters converge" below means both of these, read in one MULTI/EXEC:
-
-- every counter equals the live reservations in its phase, on the instance's current
-  epoch, and none is negative (DESIGN.md §6); checked on every sample, under load,
-  and it must hold at every instant, not only eventually;
-- the set of reservation ids in Redis equals the set of streams open at the clients.
-
-"Nothing leaks" means that once the load has stopped, no reservation is left and every
-counter is 0.
-
-| test | fault | asserted |
-|---|---|---|
-| `test_node_kill.py::test_kill_9_node_other_node_serves_and_dead_node_is_reaped` | kill -9 of a node holding live streams | every request through the other node succeeds (200 and `[DONE]`), only streams through the dead node are cut; the dead node's reservations are reaped at most one lease after its lease deadline (both on the Redis clock); counters converge; nothing leaks |
-| `test_node_kill.py::test_node_restarted_with_same_id_leaves_nothing_behind` | kill -9, then a restart under the same node id before the lease expires | the dead incarnation's reservations are released within one lease and a reap period; counters converge; nothing leaks. Found bug 1, fixed |
-| `test_redis_outages.py::...killed...[static]` | Redis SIGKILL, restarted empty on the same port; engines listed on both nodes | no request fails; both nodes go `degraded`, then `ok`; within 3 s of both being `ok`, counters converge while streams reserved before the restart are still open (so they were re-asserted); nothing leaks |
-| `test_redis_outages.py::...killed...[self]` | the same, engines self-registered, each through one node | the same. Found bug 2, fixed |
-| `test_redis_outages.py::...sigstop...` | Redis SIGSTOP for 5 s, then SIGCONT | every request completes (200 and `[DONE]`); both nodes report `degraded` during the freeze and `ok` after it, by themselves; counters converge; nothing leaks. The latency added to requests alive during the freeze is measured, not asserted |
-| `test_script_flush.py` | SCRIPT FLUSH every 10 ms for 3 s under load | the nodes met NOSCRIPT (errorstats); no request fails; no node ever entered degraded mode; nothing leaks. Found bug 3, fixed |
-| `test_engine_faults.py::test_engine_crash_mid_stream_...` | every fourth request crashes its engine's stream half-way (`X-Mock-Fault: crash`) | exactly those requests get 200 and a truncated stream (no `[DONE]`), all others complete; each node counts exactly its crashed requests as `upstream_failed`; counters converge; nothing leaks |
-| `test_engine_faults.py::test_engine_restart_...` | kill -9 of an engine, restarted on the same port | it registers a higher epoch, and no reservation of the old epoch survives that registration (same atomic read); the restarted engine serves again; only streams the dead process carried fail; counters converge; nothing leaks |
-| `test_engine_faults.py::test_requests_meeting_a_dead_engine_...` | kill -9 of an engine that stays dead (and registered: it looks idle) | every request sent after the kill succeeds on the other engine; the nodes did retry after connection failures. Found bug 4, fixed |
-| `test_engine_faults.py::test_frozen_engine_replaced_...` | an engine frozen (SIGSTOP: its streams hang, no FIN) and replaced by a new process under the same id | the frozen streams' reservations are void the moment the new epoch registers, while those streams are still open at the clients; when the frozen process dies, their releases change nothing; counters converge; nothing leaks |
-| `test_partition.py::...[drop]`, `[blackhole]` | node-a cut from Redis for 4 s by `tests/faults/fault_proxy.py` (connections closed and refused, or silently swallowed) while it keeps serving | node-a goes `degraded` and serves every request; node-b stays `ok` throughout and serves every request; node-a's lease expires and node-b reaps it; after healing node-a is `ok` again and a stream reserved before the cut (reaped meanwhile) is back in Redis: counters converge; nothing leaks |
-
-`tests/faults/fault_proxy.py` is the small loopback TCP proxy used for partitions: it
-passes bytes, drops (closes every connection and stops listening, so connects are
-refused) or blackholes (accepts and reads, but never forwards or answers).
-
-## Findings
-
-The suite found four bugs; each is fixed and its test now passes. What they were,
-and the fix that landed:
-
-1. **A node restarted under its old id leaks the dead incarnation's reservations.**
-   `LocalCluster` and docker-compose give nodes fixed ids. The new process renews the
-   same lease before it expires, so `reap_node` never treats the old incarnation as
-   dead, and the new process does not know its predecessor's reservations: they stay
-   in Redis, counted, for good (until Redis itself restarts empty). The soak shows it
-   after every `kill_node`: `still_in_redis_after_1.5_leases` equals the dead
-   process's reservations. Fix: at start-up, before its first `renew_lease`, a node
-   releases every reservation recorded under its own id (a `reap_node` that ignores
-   the lease, for the caller's own id). **Fixed:** `Coordinator.connect` reaps its
-   own id with `reap_node.lua`'s new `force` argument before the first `renew_lease`.
-2. **After Redis restarts empty, a node can drop live reservations on instances that
-   another node registered.** The first node to re-assert restores its reservations
-   before the other node has re-registered its self-registered engines; `restore.lua`
-   answers `void` (unknown instance) and `Coordinator._reassert` forgets them. Redis
-   then undercounts those live streams until they end. The test makes the order
-   deterministic (node-a probes Redis every 100 ms, node-b every 1.5 s); nodes that
-   probe in step can hide it. Engines listed on every node (`--instance`) are not
-   affected: every node re-registers all of them. The soak's slower
-   `redis_matches_clients_s` after `restart_redis` than after the other faults fits
-   it. Fix: when the instance is unknown (not when its epoch changed), register it
-   again from the node's last known spec and epoch before restoring (the cache is
-   cleared by the snapshot of the empty Redis, so take the specs before it), or keep
-   the reservation and retry its restore on the next pass. **Fixed:** `restore.lua`
-   now answers `unknown` apart from `void`, and `_reassert` re-registers an unknown
-   instance from the specs it cached before the snapshot, then restores again.
-3. **SCRIPT FLUSH can fail requests and leak reservations.** redis-py's `Script`
-   retries NOSCRIPT once (SCRIPT LOAD, then EVALSHA); a flush between the two raises
-   `NoScriptError` out of `Coordinator._call`. A reserve then answers the client 500;
-   a release is logged and dropped, and its reservation stays in Redis for good. The
-   test, flushing every 10 ms, gets both every time; the soak's gentler flushes (5,
-   0.2 s apart) hit it rarely: an earlier 10-minute run of the same command had one
-   HTTP 500 `internal_error` from a reserve, the run below none. Fix: on NoScriptError,
-   fall back to EVAL of the script source (never NOSCRIPT) in `_call` and
-   `_direct_call`, and keep a release that failed for any reason queued for a retry.
-   **Fixed** without EVAL (which the least-privilege ACL leaves out): on
-   `NoScriptError`, `_direct_call` loads the script again and retries, up to 3 times.
-4. **A request that meets a dead engine can get 502 although another engine is
-   healthy.** After a connection failure `Exchange._reserve` re-reserves with
-   `round_robin` and releases any pick of the failed instance, at most
-   `MAX_RETRY_PICKS` (4) times. `reserve.lua` takes the first candidate whose version
-   is unchanged, and under load the dead instance is the one whose version never
-   changes (nothing ends on it), so all four picks can land on it: 502
-   `upstream_unreachable`. In the test, 13–16 of ~220 requests sent after the kill
-   fail so. Fix: pass the excluded instance ids to `Coordinator.reserve` and leave
-   them out of the candidates before the script call. **Fixed:** `Coordinator.reserve`
-   takes `exclude`, and the proxy retries once with the failed instance excluded.
-
-A benign race, not a bug: an engine restarted on the same port accepts connections
-before it has re-registered, so a request reserved under the old epoch in that
-window is served by the new process while its reservation is voided by the new
-registration; Redis undercounts it until it ends.
-"""
-
 DOC_SOAK_INTRO = """## Soak (`bench/soak.py`, not in CI)
 
 `LocalCluster` with 3 nodes and 4 mock engines, default settings (lease 10 s, Redis
@@ -974,12 +869,12 @@ carrying that very request; any other failure is a finding.
 
 
 def render(summary: dict[str, Any]) -> str:
-    """The whole docs/reliability.md for one soak summary (embedded for --rerender)."""
+    """The soak's section of docs/reliability.md for one summary (embedded for
+    --rerender); `write_section` puts it between its markers, the rest of the page
+    stays as it is."""
     data = json.dumps(summary)  # one line: data for --rerender, not for reading
     return (
-        DOC_HEAD
-        + "\n"
-        + DOC_SOAK_INTRO
+        DOC_SOAK_INTRO
         + f"\nCommand (the last run):\n\n```\n{summary['command']}\n```\n\n"
         + report_tables(summary)
         + "\n\n<details><summary>The run's numbers, as data (read by "
@@ -1048,8 +943,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     doc = Path(args.doc)
     if args.rerender:
-        doc.write_text(render(load_embedded(doc)))
-        print(f"re-rendered {doc}")
+        write_section(DOC_SECTION, render(load_embedded(doc)), doc)
+        print(f"re-rendered the soak section of {doc}")
         return 0
     # Every child inherits fds 1 and 2: point them at the log file, and keep the
     # original stdout for this script's own progress and report.
@@ -1069,9 +964,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump([asdict(r) for r in results.requests_raw], raw)
     print(report_tables(summary), file=out)
     if args.write_docs:
-        doc.parent.mkdir(parents=True, exist_ok=True)
-        doc.write_text(render(summary))
-        print(f"\nwrote {doc}; process output in {args.log}", file=out)
+        write_section(DOC_SECTION, render(summary), doc)
+        print(f"\nwrote the soak section of {doc}; process output in {args.log}", file=out)
     leaked = summary["leaked"].get("reservations") or summary["leaked"].get("counter_sum")
     return 1 if leaked or summary["invariant_violation_count"] else 0
 
