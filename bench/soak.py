@@ -47,6 +47,7 @@ import aiohttp
 from redis.asyncio import Redis
 
 from bench.docs import add_write_docs, write_section
+from coordinator.invariants import pool_problems
 from coordinator.keys import PoolKeys
 from coordinator.packed import state_by_instance
 from local_fleet.cluster import Child, LocalCluster, free_port_block
@@ -340,40 +341,19 @@ class Soak:
         """Counters, reservation records and epochs, read atomically."""
         return await read_pool_state(self.client, self.keys)
 
-    @staticmethod
-    def inconsistencies(
-        counters: dict[str, dict[str, int]], records: dict[str, Any], epochs: dict[str, int]
-    ) -> list[str]:
-        """DESIGN.md §6 violations: a counter that differs from its live reservations."""
-        expected = {name: dict.fromkeys(epochs, 0) for name in COUNTERS}
-        problems = []
-        for rid, rec in records.items():
-            if epochs.get(rec["instance"]) != rec["epoch"]:
-                problems.append(f"{rid}: reservation of a void epoch or unknown instance")
-                continue
-            expected["inflight"][rec["instance"]] += 1
-            phase = "pending_prefill" if rec["phase"] == "prefill" else "active_decode"
-            expected[phase][rec["instance"]] += 1
-        for name in COUNTERS:
-            stored = {k: v for k, v in counters[name].items() if k in epochs}
-            if any(v < 0 for v in counters[name].values()):
-                problems.append(f"{name} negative: {counters[name]}")
-            if stored != expected[name]:
-                problems.append(f"{name}: stored {stored} != live {expected[name]}")
-        return problems
-
     async def check_invariants(self) -> None:
-        """Every INVARIANT_EVERY_S while Redis answers: counters equal live reservations."""
+        """Every INVARIANT_EVERY_S while Redis answers: the pool's invariants as stored
+        (coordinator/invariants.py: counters, index and totals against the records)."""
         while not self.stop_load.is_set():
             await asyncio.sleep(INVARIANT_EVERY_S)
             if self.redis_paused:
                 continue
             try:
-                state = await self.pool_state()
+                problems = await pool_problems(self.client, self.keys)
             except Exception:  # Redis down or restarting: nothing to check now
                 continue
             self.invariant_checks += 1
-            for problem in self.inconsistencies(*state):
+            for problem in problems:
                 self.violations.append(f"t={self.elapsed():.1f}s {problem}")
                 self.log(f"INVARIANT VIOLATION {problem}")
 
@@ -804,8 +784,9 @@ def report_tables(s: dict[str, Any]) -> str:
         )
         + ".",
         "",
-        "Invariant checks during the run (atomic MULTI read: every counter equals the "
-        f"live reservations): {s['invariant_checks']}, violations: "
+        "Invariant checks during the run (one MULTI read of the whole pool, "
+        "coordinator/invariants.py: every counter, the index and the pool's total "
+        f"against the reservation records): {s['invariant_checks']}, violations: "
         f"{s['invariant_violation_count']}.",
     ]
     lines += [f"- `{v}`" for v in s["invariant_violations"]]
@@ -862,7 +843,9 @@ within 10 s, with the differences; `missing_in_redis_at_first_check` names, by
 reported `ok`, a node that had not yet noticed the restart included). After a
 `kill_node` it first follows the dead
 process's reservations for 1.5 leases (`still_in_redis_after_1.5_leases`). Every 2 s
-it checks that every counter equals the live reservations. A failure is *explained*
+it checks the pool's invariants as stored (`coordinator/invariants.py`: each
+instance's counters, its index entries and the pool's total against the reservation
+records, in one MULTI read). A failure is *explained*
 when a node kill or engine restart in progress (or ended at most 3 s before) was
 carrying that very request; any other failure is a finding.
 """

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from coordinator import Coordinator, InstanceSpec, Settings
+from coordinator.invariants import pool_problems
 from coordinator.keys import PoolKeys
 from coordinator.packed import LIVE_BYTES, LiveRecord, pack_live, state_by_instance
 from local_fleet.embedded import EmbeddedRedis, ServerUnavailableError, free_port
@@ -69,87 +70,12 @@ async def live_reservations(c: Coordinator) -> dict[str, dict[str, Any]]:
     return {rid: json.loads(v) for rid, v in raw.items()}
 
 
-def lex_member(instance_id: str, epoch: int, end_at_ms: int, rid: str) -> str:
-    """The per-instance index entry of a reservation (lua/_lib.lua lex_member)."""
-    return f"{instance_id}#{int(epoch):010d}|{int(end_at_ms):015d}|{rid}"
-
-
 async def assert_counters_match_reservations(c: Coordinator) -> None:
-    """DESIGN.md §6: every counter equals the live reservations in its phase; none < 0.
-
-    The counters are the packed `state` records (their only store): inflight,
-    pending_prefill, active_decode, `pending_prefill_ms` (the sum of prefill_ms of
-    prefill-phase reservations) and the earliest predicted end; the pool's
-    `inflight_total` is their sum. Also the per-instance index (exactly one entry per
-    record, on its instance, epoch and end time). Records of a restarted or removed
-    instance count nowhere and must be queued for sweeping. Everything is read in one
-    MULTI/EXEC, so a concurrent script cannot fall between the reads (all of a pool's
-    keys share one hash slot).
-    """
-    pipe = c.redis.pipeline(transaction=True)
-    for name in ("reservations", "epoch", "slot"):
-        pipe.hgetall(c.keys.column(name))
-    pipe.zrange(c.keys.column("by_instance"), 0, -1)
-    # SSCAN, not SMEMBERS: redis-py's cluster transactions break on the latter's callback.
-    pipe.sscan(c.keys.column("voids"), 0, count=1_000_000)
-    pipe.getrange(c.keys.column("state"), 0, -1)
-    pipe.hget(c.keys.column("meta"), "inflight_total")
-    pipe.hget(c.keys.column("meta"), "slots")
-    pipe.zcard(c.keys.column("free_slots"))
-    for name in ("spec", "max_slots", "last_seen_ms"):
-        pipe.hlen(c.keys.column(name))
-    (
-        raw_records,
-        raw_epochs,
-        raw_slots,
-        index,
-        (_, voids),
-        state,
-        total,
-        allocated,
-        free,
-        *column_sizes,
-    ) = await pipe.execute()
-    stored = decode_counters(raw_slots, state)
-    records = {rid: json.loads(v) for rid, v in raw_records.items()}
-    epochs = {k: int(v) for k, v in raw_epochs.items()}
-    expected: dict[str, dict[str, int]] = {
-        name: dict.fromkeys(epochs, 0)
-        for name in (*COUNTER_COLUMNS, "pending_prefill_ms", "earliest_end_at_ms")
-    }
-    for rec in records.values():
-        iid = rec["instance"]
-        if epochs.get(iid) != rec["epoch"]:
-            assert iid in voids, f"void reservation not queued for sweeping: {rec}"
-            continue
-        # A live record's slot (kept so transitions need no slot lookup) is its
-        # instance's; -1 or none: written before records kept slots.
-        if rec.get("slot", -1) >= 0:
-            assert rec["slot"] == int(raw_slots[iid]), ("record slot", rec, raw_slots[iid])
-        expected["inflight"][iid] += 1
-        phase = "pending_prefill" if rec["phase"] == "prefill" else "active_decode"
-        expected[phase][iid] += 1
-        if rec["phase"] == "prefill":
-            expected["pending_prefill_ms"][iid] += int(rec["prefill_ms"])
-        end = int(rec["end_at_ms"])
-        earliest = expected["earliest_end_at_ms"]
-        earliest[iid] = end if not earliest[iid] else min(earliest[iid], end)
-    assert set(raw_slots) == set(epochs), ("slot", raw_slots, epochs)
-    # The relations lua/renew_lease.lua's audit checks besides the counters: every
-    # allocated slot is held or free, and each registry column names the same instances.
-    assert int(allocated or 0) == len(raw_slots) + free, ("slots", allocated, raw_slots, free)
-    assert column_sizes == [len(epochs)] * 3, ("spec, max_slots, last_seen_ms", column_sizes)
-    for name, want in expected.items():
-        assert stored[name] == want, (name, stored[name], want)
-    # The pool's total, which reserve compares a candidate with, is the sum of `state`:
-    # every record but the void ones, whose instances `voids` lists.
-    assert int(total or 0) == sum(stored["inflight"].values()), ("inflight_total", total)
-    assert voids or int(total or 0) == len(records), ("inflight_total", total, "no voids")
-    expected_index = {
-        lex_member(rec["instance"], rec["epoch"], rec["end_at_ms"], rid)
-        for rid, rec in records.items()
-    }
-    assert sorted(index) == sorted(expected_index), ("by_instance", index, expected_index)
+    """DESIGN.md §6, as stored (coordinator/invariants.py): every counter equals the
+    live reservations in its phase, the index holds one entry per record, the pool's
+    total is the sum of the counters, and the registry's columns agree."""
+    problems = await pool_problems(c.redis, c.keys)
+    assert not problems, "\n".join(problems)
 
 
 async def wait_for(

@@ -1,11 +1,11 @@
-"""bench/soak.py's checks and its doc section.
+"""bench/soak.py's reads of the pool and its doc section.
 
-The soak compares every counter with the live reservations every 2 s. It once read
-counters from per-column hashes that the packed `state` records had replaced, so
-every check of a long soak reported a violation (and its leak check summed nothing);
-this reads a real pool through it, and breaks a counter to see the check fail. It
-also once rewrote all of docs/reliability.md from a stale copy of the page's head;
-it now writes only between its markers.
+The soak once read counters from per-column hashes that the packed `state` records
+had replaced, so every invariant check of a long soak reported a violation and its
+leak check summed nothing. Its reader and its check (coordinator/invariants.py,
+through the same decoding client) are read here on a real pool, with a counter
+broken by hand. It also once rewrote all of docs/reliability.md from a stale copy of
+the page's head; it now writes only between its markers.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from bench.soak import RESULTS_START, Soak, load_embedded, main, read_pool_state
+from bench.soak import RESULTS_START, load_embedded, main, read_pool_state
+from coordinator.invariants import pool_problems
 from coordinator.keys import PoolKeys
 from coordinator.packed import STATE_BYTES
 from tests.fake_engine import Harness
@@ -25,7 +26,7 @@ from tests.helpers import spec
 pytestmark = pytest.mark.timeout(60)
 
 
-async def test_the_soaks_check_reads_the_counters_as_stored(
+async def test_the_soak_reads_the_counters_as_stored(
     harness: Harness, real_client: Redis, pool: str
 ) -> None:
     c = await harness.coordinator()
@@ -37,14 +38,15 @@ async def test_the_soaks_check_reads_the_counters_as_stored(
 
     counters, records, epochs = await read_pool_state(real_client, keys)
     assert set(records) == {r.rid for r in held}
+    assert set(epochs) == {"i0", "i1"}
     assert sum(counters["inflight"].values()) == 3
     assert sum(counters["active_decode"].values()) == 1
-    assert Soak.inconsistencies(counters, records, epochs) == []
+    assert await pool_problems(real_client, keys) == []
 
     slot = int(await real_client.hget(keys.column("slot"), held[1].instance_id))
     await real_client.setrange(keys.column("state"), slot * STATE_BYTES, "\0" * 6)
-    found = Soak.inconsistencies(*await read_pool_state(real_client, keys))
-    assert any(f"'{held[1].instance_id}': 0" in problem for problem in found), found
+    found = await pool_problems(real_client, keys)
+    assert any(problem.startswith(f"{held[1].instance_id}: state") for problem in found), found
 
 
 def test_rerender_rewrites_only_the_soak_section(

@@ -45,11 +45,12 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from coordinator import Coordinator, InstanceSpec, Settings
+from coordinator.invariants import lex_member
 from coordinator.keys import PoolKeys
 from local_fleet.embedded import ServerUnavailableError
 from tests.faults.conftest import RedisServer, _die_with_parent
 from tests.faults.fault_proxy import FaultProxy
-from tests.helpers import decode_counters, lex_member, spec
+from tests.helpers import decode_counters, spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.real, pytest.mark.timeout(120)]
 
