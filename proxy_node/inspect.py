@@ -29,6 +29,7 @@ from rich.text import Text
 from coordinator.connection import connect_redis, redact
 from coordinator.coordinator import Coordinator
 from coordinator.errors import CoordinatorError, InvalidArgumentError
+from coordinator.invariants import pool_problems
 from coordinator.keys import POOL_NAME_RE, PoolKeys
 from coordinator.packed import as_text
 from coordinator.settings import Settings
@@ -89,6 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="print the /debug/instance_loads document instead of tables",
     )
     parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the pool's invariants as stored (counters, index and totals against "
+        "the reservation records, in one read of the whole pool) and list what does not "
+        "hold; exit 1 if anything does not, 0 if the pool is consistent",
+    )
+    parser.add_argument(
         "--watch",
         nargs="?",
         const=WATCH_DEFAULT_S,
@@ -120,6 +128,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json and args.watch is not None:
         _error("--json prints one document; it does not combine with --watch")
         return 2
+    if args.check and (args.json or args.watch is not None):
+        _error("--check prints what does not hold; it combines with neither --json nor --watch")
+        return 2
     try:
         settings = Settings.from_env()
         coordinator = _coordinator(args.redis_url, args.pool, settings)
@@ -139,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
             # when Python flushes stdout at exit.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    if args.check:
+        return _check(coordinator, args.redis_url)
     try:
         state = asyncio.run(_read_once(coordinator, settings))
     except InspectError as exc:
@@ -150,6 +163,27 @@ def run(args: argparse.Namespace) -> int:
         console = _plain_console()
         console.print(render(state, args.redis_url, console.width))
     return 0
+
+
+def _check(coordinator: Coordinator, url: str) -> int:
+    """`--check`: the pool's invariants (coordinator/invariants.py), 1 if any fails."""
+
+    async def problems() -> list[str]:
+        try:
+            return await pool_problems(coordinator.redis, coordinator.keys)
+        finally:
+            await coordinator.close()
+
+    try:
+        found = asyncio.run(problems())
+    except (RedisError, OSError) as exc:
+        _error(f"Redis at {redact(url)}: cannot read pool {coordinator.pool!r}: {exc}")
+        return 1
+    for problem in found:
+        print(problem)
+    where = f"pool {coordinator.pool!r}"
+    print(f"{where}: {len(found)} invariant(s) do not hold" if found else f"{where}: consistent")
+    return 1 if found else 0
 
 
 def _error(message: str) -> None:

@@ -314,11 +314,27 @@ def _save_svg(console: Console, path: Path) -> None:
     path.write_text(svg)
 
 
+async def test_check_lists_what_does_not_hold(quiet_pool: Coordinator, redis_url: str) -> None:
+    """`inspect --check` on a loaded pool: consistent (exit 0); with one counter and
+    the pool's total edited by hand, it names both (exit 1)."""
+    args = ("--redis-url", redis_url, "--pool", quiet_pool.pool, "--check")
+    code, out, err = await inspect_cli(*args)
+    assert (code, err) == (0, ""), err
+    assert out == f"pool {quiet_pool.pool!r}: consistent\n"
+    await quiet_pool.redis.hincrby(quiet_pool.keys.column("meta"), "inflight_total", 3)
+    code, out, _ = await inspect_cli(*args)
+    assert code == 1
+    assert "meta inflight_total" in out
+    assert out.endswith(f"pool {quiet_pool.pool!r}: 2 invariant(s) do not hold\n"), out
+
+
 def test_bad_pool_name_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_inspect("--pool", "a{b}", "--redis-url", "redis://127.0.0.1:1/0") == 2
     assert "pool name 'a{b}'" in capsys.readouterr().err
     assert run_inspect("--json", "--watch", "--redis-url", "redis://127.0.0.1:1/0") == 2
     assert "does not combine" in capsys.readouterr().err
+    assert run_inspect("--check", "--json", "--redis-url", "redis://127.0.0.1:1/0") == 2
+    assert "combines with neither" in capsys.readouterr().err
     for bad in ("0", "-1", "nan", "x", "1e9"):
         with pytest.raises(SystemExit) as exit_info:
             build_parser().parse_args(["inspect", "--watch", bad])
@@ -332,6 +348,9 @@ def test_unreachable_redis_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "error: Redis at redis://***@127.0.0.1:" in captured.err
+    assert "cannot read pool 'p'" in captured.err and "hunter2" not in captured.err
+    assert run_inspect("--redis-url", url, "--pool", "p", "--check") == 1
+    captured = capsys.readouterr()
     assert "cannot read pool 'p'" in captured.err and "hunter2" not in captured.err
     assert run_inspect("--redis-url", "http://127.0.0.1:1", "--pool", "p") == 2
 
