@@ -86,7 +86,7 @@ async def pool_problems(redis: Any, keys: PoolKeys) -> list[str]:
         for rid, rec in records.items()
     }
     have_index = {as_text(m) for m in index}
-    if have_index != want_index or len(index) != len(want_index):
+    if have_index != want_index:  # a sorted set: no member twice
         missing, extra = sorted(want_index - have_index), sorted(have_index - want_index)
         problems.append(f"by_instance lacks {missing}, has extra {extra}")
     return problems
