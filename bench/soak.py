@@ -151,23 +151,21 @@ class Results:
 # ---------------------------------------------------------------------- the soak
 
 
-PoolState = tuple[dict[str, dict[str, int]], dict[str, Any], dict[str, int]]
+PoolState = tuple[dict[str, dict[str, int]], dict[str, Any]]
 
 
 async def read_pool_state(client: Redis, keys: PoolKeys) -> PoolState:
-    """Counters (from the packed `state` records, their only store), reservation
-    records and epochs, read atomically (MULTI/EXEC); `client` decodes replies."""
+    """Counters (from the packed `state` records, their only store) and reservation
+    records, read atomically (MULTI/EXEC); `client` decodes replies."""
     pipe = client.pipeline(transaction=True)
     pipe.hgetall(keys.column("slot"))
     pipe.get(keys.column("state"))
     pipe.hgetall(keys.column("reservations"))
-    pipe.hgetall(keys.column("epoch"))
-    slots, state, raw_records, raw_epochs = await pipe.execute()
+    slots, state, raw_records = await pipe.execute()
     stored = state_by_instance(slots, state)
     counters = {n: {iid: getattr(r, n) for iid, r in stored.items()} for n in COUNTERS}
     records = {rid: json.loads(raw) for rid, raw in raw_records.items()}
-    epochs = {k: int(v) for k, v in raw_epochs.items()}
-    return counters, records, epochs
+    return counters, records
 
 
 class Soak:
@@ -338,7 +336,7 @@ class Soak:
     # ------------------------------------------------------------------ checks
 
     async def pool_state(self) -> PoolState:
-        """Counters, reservation records and epochs, read atomically."""
+        """Counters and reservation records, read atomically."""
         return await read_pool_state(self.client, self.keys)
 
     async def check_invariants(self) -> None:
@@ -425,7 +423,7 @@ class Soak:
         child.process.kill()
         await asyncio.to_thread(child.process.wait)
         killed = now()
-        _, records, _ = await self.pool_state()
+        _, records = await self.pool_state()
         orphans = {rid for rid, rec in records.items() if rec["node"] == child.name}
         child.start(self.env, None)
         ready = await self.wait_http_ok(child.ready_url)
@@ -476,7 +474,7 @@ class Soak:
         while now() - start < timeout_s:
             before = set(self.open)
             try:
-                _, records, _ = await self.pool_state()
+                _, records = await self.pool_state()
             except Exception:  # Redis not answering yet
                 await asyncio.sleep(0.05)
                 continue
@@ -565,7 +563,7 @@ class Soak:
         records: dict[str, Any] = {}
         counters: dict[str, dict[str, int]] = {}
         while True:
-            counters, records, _ = await self.pool_state()
+            counters, records = await self.pool_state()
             total = sum(v for column in counters.values() for v in column.values())
             if (not records and total == 0) or now() > deadline:
                 break
