@@ -3,6 +3,8 @@
 The control plane answers `POST /v1/instances` with `{instance_id, epoch,
 heartbeat_interval_s, ttl_s}`, heartbeats with 200 (or 404 for an instance it no
 longer knows, which asks for a re-registration) and `DELETE /v1/instances/{id}`.
+Every node's control plane serves the whole pool (the registry is in Redis), so an
+engine given several control planes moves to the next when one stops answering.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from types import TracebackType
 from typing import Any
@@ -48,7 +50,7 @@ class Registrar:
 
     def __init__(
         self,
-        control_url: str,
+        control_urls: str | Sequence[str],
         spec: InstanceSpec,
         hints: Callable[[], dict[str, float]],
         *,
@@ -56,11 +58,16 @@ class Registrar:
         backoff_s: float = 0.5,
         backoff_max_s: float = 10.0,
     ) -> None:
-        if not control_url.startswith(("http://", "https://")):
-            raise ValueError(f"control plane URL must be http(s), got {control_url!r}")
+        urls = [control_urls] if isinstance(control_urls, str) else list(control_urls)
+        if not urls:
+            raise ValueError("need at least one control plane URL")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"control plane URL must be http(s), got {url!r}")
         if backoff_s <= 0 or backoff_max_s < backoff_s:
             raise ValueError("backoff must satisfy 0 < backoff_s <= backoff_max_s")
-        self.control_url = control_url.rstrip("/")
+        self.control_urls = [url.rstrip("/") for url in urls]
+        self._current = 0  # the control plane in use: the last one that answered
         self.spec = spec
         self.hints = hints
         self.token = token
@@ -71,6 +78,14 @@ class Registrar:
         self.registrations = 0  # successful registrations, re-registrations included
         self.heartbeats = 0  # accepted heartbeats
         self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def control_url(self) -> str:
+        """The control plane in use: the first given, until one fails to answer."""
+        return self.control_urls[self._current]
+
+    def _next_control_plane(self) -> None:
+        self._current = (self._current + 1) % len(self.control_urls)
 
     async def __aenter__(self) -> Registrar:
         self._session = aiohttp.ClientSession(
@@ -144,44 +159,64 @@ class Registrar:
         return True
 
     async def unregister(self) -> None:
-        """Remove the instance from the control plane; failures are logged, not raised."""
+        """Remove the instance from the control plane, trying each one until one
+        answers; failures are logged, not raised."""
         if not self.registered:
             return
-        url = f"{self.control_url}/v1/instances/{self.spec.id}"
-        try:
-            async with self.session.delete(url, headers=self._headers()) as resp:
-                if resp.status >= 300 and resp.status != 404:
-                    log.warning("unregistering %s: %s", self.spec.id, resp.status)
-                else:
-                    log.info("unregistered %s from %s", self.spec.id, self.control_url)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("unregistering %s failed: %r", self.spec.id, exc)
+        for _ in self.control_urls:
+            url = f"{self.control_url}/v1/instances/{self.spec.id}"
+            try:
+                async with self.session.delete(url, headers=self._headers()) as resp:
+                    if resp.status >= 300 and resp.status != 404:
+                        log.warning("unregistering %s: %s", self.spec.id, resp.status)
+                    else:
+                        log.info("unregistered %s from %s", self.spec.id, self.control_url)
+                break
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.warning(
+                    "unregistering %s at %s failed: %r", self.spec.id, self.control_url, exc
+                )
+                self._next_control_plane()
         self.registered = False
 
     async def run(self) -> None:
         """Register, then heartbeat until cancelled; errors are retried with backoff.
 
-        A refused credential (RegistrationDeniedError) is raised, not retried: the same
-        token will be refused again.
+        A control plane that fails to answer (refused, timed out, an error status)
+        gives way at once to the next one given, with the heartbeat that failed: any
+        node's control plane serves the whole pool, so an engine stays registered
+        while one node is down. Backoff starts once every one has failed in a row.
+        A refused credential (RegistrationDeniedError) is raised, not retried: the
+        same token will be refused again.
         """
         delay = self.backoff_s
+        others = len(self.control_urls) - 1  # to try at once before backing off
+        due = False  # a heartbeat is owed now: the last attempt failed
         while True:
             try:
                 if not self.registered:
                     await self.register()
-                    delay = self.backoff_s
-                await asyncio.sleep(self.heartbeat_interval_s)
+                    due = False
+                if not due:
+                    await asyncio.sleep(self.heartbeat_interval_s)
+                due = True
                 if not await self.heartbeat():
                     # The control plane lost us (restart, TTL expiry): register again now.
                     log.info("%s unknown to the control plane; re-registering", self.spec.id)
                     self.registered = False
                     continue
-                delay = self.backoff_s
+                due = False
+                delay, others = self.backoff_s, len(self.control_urls) - 1
             except RegistrationDeniedError:
                 raise
             except (aiohttp.ClientError, TimeoutError, RegistrationError, ValueError) as exc:
-                log.warning(
-                    "control plane %s: %r; retrying in %.2f s", self.control_url, exc, delay
-                )
+                failed = self.control_url
+                self._next_control_plane()
+                if others > 0:
+                    others -= 1
+                    log.warning("control plane %s: %r; trying %s", failed, exc, self.control_url)
+                    continue
+                log.warning("control plane %s: %r; retrying in %.2f s", failed, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.backoff_max_s)
+                others = len(self.control_urls) - 1

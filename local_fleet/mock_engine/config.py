@@ -39,7 +39,7 @@ class MockEngineConfig:
     speed: float = 1.0  # every duration is divided by this
     register_timing: str = "exact"  # exact: register its timing; none: the fleet learns it
     register_speed: float | None = None  # register the timing of this speed (None: own)
-    register: str | None = None  # control plane URL to self-register with
+    register: str | None = None  # control plane URL(s) to self-register with, comma-separated
     instance_id: str | None = None  # registered id; None = mock-<port>
     token: str | None = None  # bearer token for control-plane writes
     advertise_url: str | None = None  # URL registered; None = http://host:port
@@ -74,9 +74,9 @@ class MockEngineConfig:
             raise ValueError("default_output_tokens must be >= 1")
         if self.prefix_cache_tokens < 0 or self.prefix_block_chars < 16:
             raise ValueError("need prefix_cache_tokens >= 0 and prefix_block_chars >= 16")
-        if self.register is not None:
-            if not self.register.startswith(("http://", "https://")):
-                raise ValueError(f"--register must be an http(s) URL, got {self.register!r}")
+        for url in self.register_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--register takes http(s) URLs, got {url!r}")
         if self.register_backoff_s <= 0 or self.register_backoff_max_s < self.register_backoff_s:
             raise ValueError("need 0 < register_backoff_s <= register_backoff_max_s")
 
@@ -101,6 +101,14 @@ class MockEngineConfig:
         if ":" in host:
             host = f"[{host}]"
         return f"http://{host}:{self.port}"
+
+    @property
+    def register_urls(self) -> list[str]:
+        """The control planes `--register` names, in order (none without it): the
+        engine uses the first and moves to the next when one stops answering."""
+        if self.register is None:
+            return []
+        return [url.strip() for url in self.register.split(",")]
 
     def instance_spec(self, epoch: int) -> InstanceSpec:
         """What this engine registers: its timing model (see register_timing) and epoch."""
@@ -156,7 +164,13 @@ _FLAGS: tuple[tuple[str, str, Callable[[str], Any], str], ...] = (
         float,
         "register the timing of this speed instead of its own (a wrong shared spec)",
     ),
-    ("--register", "register", str, "control-plane URL to self-register with and heartbeat"),
+    (
+        "--register",
+        "register",
+        str,
+        "control-plane URL to self-register with and heartbeat; several, comma-separated: "
+        "the next takes over while one does not answer",
+    ),
     ("--instance-id", "instance_id", str, "registered instance id; unset means mock-<port>"),
     ("--token", "token", str, "bearer token for control-plane writes"),
     ("--advertise-url", "advertise_url", str, "URL to register; unset means http://host:port"),

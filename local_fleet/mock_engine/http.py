@@ -445,7 +445,7 @@ def create_app(config: MockEngineConfig) -> web.Application:
 
         app[REGISTRATION_KEY] = []
         app[REGISTRAR_KEY] = Registrar(
-            config.register,
+            config.register_urls,
             config.instance_spec(engine.started_ms),
             hints,
             token=config.token,

@@ -52,11 +52,16 @@ def test_topology_matches_the_local_cluster() -> None:
     assert "healthcheck" in SERVICES["redis"]
     for name in nodes:
         assert SERVICES[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    firsts = set()
     for name in engines:
         command = SERVICES[name]["command"]
-        target = command[command.index("--register") + 1]
-        assert any(target == f"http://{node}:8002" for node in nodes), target
+        targets = command[command.index("--register") + 1].split(",")
+        # Every node's control plane, so a stopped node leaves its engines registered;
+        # the first ones spread the engines over the nodes.
+        assert sorted(targets) == sorted(f"http://{node}:8002" for node in nodes), targets
+        firsts.add(targets[0])
         assert SERVICES[name]["depends_on"], name
+    assert len(firsts) == len(nodes)
     # Every node gets its Redis and pool from the environment it declares.
     for name in nodes:
         env = SERVICES[name]["environment"]

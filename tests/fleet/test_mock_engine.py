@@ -500,13 +500,19 @@ async def test_random_faults_follow_the_seed(
 class FakeControlPlane:
     """Records the control-plane calls an engine makes; answers like the real one."""
 
-    def __init__(self, heartbeat_interval_s: float = 0.05, token: str | None = None) -> None:
+    def __init__(
+        self,
+        heartbeat_interval_s: float = 0.05,
+        token: str | None = None,
+        epochs: dict[str, int] | None = None,
+    ) -> None:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.token = token
         self.registrations: list[dict[str, Any]] = []
         self.heartbeats: list[tuple[str, dict[str, Any]]] = []
         self.deletes: list[str] = []
-        self.epochs: dict[str, int] = {}
+        # The registry: control planes given one dict serve one pool, as nodes do.
+        self.epochs: dict[str, int] = {} if epochs is None else epochs
         self.unauthorized = 0
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -568,6 +574,7 @@ class FakeControlPlane:
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+            self.runner = None
 
 
 @pytest.fixture
@@ -677,6 +684,51 @@ async def test_control_plane_down_is_retried_with_a_warning(
     finally:
         holder.close()
         await plane.stop()
+
+
+async def test_with_several_control_planes_a_dead_one_gives_way_at_once(
+    start_engine: StartEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nodes' control planes share one registry (the pool in Redis): an engine given
+    several keeps heartbeating through the next when its first dies, with the
+    heartbeat that failed, not after a backoff, and without registering again."""
+    caplog.set_level(logging.INFO, logger="proxy_node.engine_registration")
+    pool: dict[str, int] = {}
+    first, second = FakeControlPlane(epochs=pool), FakeControlPlane(epochs=pool)
+    await first.start()
+    await second.start()
+    try:
+        # A backoff this long would outlast every wait below.
+        slow = {"register_backoff_s": 30.0, "register_backoff_max_s": 30.0}
+        eng = await start_engine(register=f"{first.url},{second.url}", instance_id="e5", **slow)
+        await wait_for(lambda: len(first.heartbeats) >= 2, what="heartbeats through the first")
+        assert (second.registrations, second.heartbeats) == ([], [])
+        await first.stop()
+        await wait_for(lambda: len(second.heartbeats) >= 2, what="heartbeats through the second")
+        assert len(first.registrations) == 1 and second.registrations == []
+        said = [r.getMessage() for r in caplog.records]
+        assert any(f"trying {second.url}" in line for line in said), said
+        assert not any("retrying in" in line for line in said), said
+        await eng.stop()
+        assert second.deletes == ["e5"]  # through the one that answers
+        # Started with its first control plane down: it registers through the second.
+        eng = await start_engine(register=f"{first.url},{second.url}", instance_id="e6", **slow)
+        await wait_for(lambda: len(second.registrations) == 1, what="registration via the second")
+        await wait_for(
+            lambda: any(iid == "e6" for iid, _ in second.heartbeats), what="its heartbeats"
+        )
+    finally:
+        await first.stop()
+        await second.stop()
+
+
+def test_register_takes_comma_separated_urls() -> None:
+    config = MockEngineConfig(register="http://a:8002, http://b:8002")
+    assert config.register_urls == ["http://a:8002", "http://b:8002"]
+    assert MockEngineConfig().register_urls == []
+    for bad in ("http://a:8002,", "http://a:8002,b:8002"):
+        with pytest.raises(ValueError, match="http"):
+            MockEngineConfig(register=bad)
 
 
 # ---------------------------------------------------------------------------
