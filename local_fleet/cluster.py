@@ -5,9 +5,12 @@ checks that every port it will use is free and that a given Redis answers. It th
 waits for each child to be ready (by polling its health endpoint, with a deadline),
 prints how to reach everything, and on Ctrl-C or SIGTERM stops engines, then nodes,
 then Redis, leaving no process or temporary directory behind. Children also get
-SIGTERM if the launcher dies. A child that fails, at start-up or later, is reported
-with its own last output line: each child writes its warnings and errors to a file
-in a temporary directory, removed with the cluster.
+SIGTERM if the launcher dies. A child that fails is reported with its own last
+output line (each child writes its warnings and errors to a file in a temporary
+directory, removed with the cluster): at start-up the launch fails; later the rest
+serve on, as a fleet does when one of its processes dies, until no node is left.
+Each engine registers through every node's control plane in turn (its own node
+first), so it stays registered while a node is down.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -285,7 +289,10 @@ class LocalCluster:
                 child.wait_ready(deadline)
             engines = []
             for j in range(self.engines):
-                control = self.control_urls[j % self.nodes]
+                # Its node first (engines spread over the nodes), the others after it:
+                # the engine stays registered while its node is down.
+                k = j % self.nodes
+                control = ",".join(self.control_urls[k:] + self.control_urls[:k])
                 child = Child(
                     f"engine-{j}",
                     [
@@ -471,22 +478,53 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(cluster.describe(), flush=True)
     print("\ncluster is up; Ctrl-C stops everything.", flush=True)
-    code = 0
     try:
-        while not stop.wait(0.5):
-            for child in cluster.children:
-                exited = child.exit_message()
-                if exited is not None:
-                    print(f"{exited}; stopping", file=sys.stderr)
-                    code = 1
-                    stop.set()
-                    break
+        code = watch(cluster, stop)
     finally:
         # Stop first: a closed stdout (the reader went away) must not leave orphans.
         _say("stopping...")
         cluster.stop()
     _say("stopped.")
     return code
+
+
+def watch(cluster: LocalCluster, stop: threading.Event, every_s: float = 0.5) -> int:
+    """Report each process that exits while the rest serve on (a node, an engine or
+    the private Redis killed to see what the fleet does); 0 once `stop` is set, 1 when
+    no node is left."""
+    gone: set[str] = set()
+    nodes = {f"node-{k}" for k in range(cluster.nodes)}
+    while not stop.wait(every_s):
+        for name, exited in _exits(cluster):
+            if name in gone:
+                continue
+            gone.add(name)
+            after = AFTER_EXIT[name.split("-")[0]] if nodes - gone else "no node is left"
+            print(f"{exited}; {after}", file=sys.stderr, flush=True)
+        if not nodes - gone:
+            return 1
+    return 0
+
+
+def _exits(cluster: LocalCluster) -> Iterator[tuple[str, str]]:
+    """(name, how it exited) of every process of the cluster that is not running."""
+    for child in cluster.children:
+        exited = child.exit_message()
+        if exited is not None:
+            yield child.name, exited
+    server = cluster.redis.process if cluster.redis is not None else None
+    if server is not None and server.poll() is not None:
+        yield "redis", f"redis exited with code {server.returncode}"
+
+
+# What the rest of the cluster does after a child exited, by kind.
+AFTER_EXIT = {
+    "node": "the other nodes serve on; its lease expires and a peer releases its "
+    "reservations, and its engines heartbeat through another node",
+    "engine": "the nodes stop sending it requests once its heartbeats are missed",
+    "redis": "the nodes serve on degraded (each one counts only its own requests) "
+    "until a server answers at its address again",
+}
 
 
 def _say(text: str) -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -205,10 +208,31 @@ def test_demo_runs_prints_its_table_and_leaves_no_key(redis_url: str) -> None:
         client.close()
 
 
-def test_cluster_exits_1_with_the_childs_last_line_when_a_child_dies() -> None:
-    base = free_port_block(1, 1)
+def _pid_of(parent: int, *words: bytes) -> int:
+    """The child of `parent` whose command line has all these words."""
+    return next(
+        pid
+        for pid in _children(parent)
+        if all(w in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for w in words)
+    )
+
+
+def _until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_killed_node_or_engine_is_reported_and_the_rest_serve_on() -> None:
+    """kill -9 of one node: the cluster serves on, and the engines registered through
+    it stay alive (they heartbeat through the other node) for many times their TTL.
+    Then an engine, reported; then the last node: nothing serves, exit 1."""
+    base = free_port_block(2, 2)
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    argv = ["cluster", "--nodes", "1", "--engines", "1", "--base-port", str(base)]
+    ttl_ms = 1500  # heartbeats every 300 ms: a missed one shows within seconds
+    env.update(COORD_INSTANCE_TTL_MS=str(ttl_ms), COORD_HEARTBEAT_INTERVAL_MS="300")
+    argv = ["cluster", "--nodes", "2", "--engines", "2", "--base-port", str(base)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "coordinator_cli.main", *argv],
         stdout=subprocess.PIPE,
@@ -216,25 +240,56 @@ def test_cluster_exits_1_with_the_childs_last_line_when_a_child_dies() -> None:
         env=env,
         text=True,
     )
+    said: list[str] = []
     try:
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stderr is not None
         lines = []
         for line in proc.stdout:
             lines.append(line)
             if "cluster is up" in line:
                 break
         assert any("cluster is up" in line for line in lines), "".join(lines)
-        engine = next(
-            pid
-            for pid in _children(proc.pid)
-            if b"local_fleet.mock_engine" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        errors = proc.stderr
+        reader = threading.Thread(target=lambda: said.extend(errors), daemon=True)
+        reader.start()
+        instances = f"http://127.0.0.1:{base + 1}/v1/instances"  # node-0's control plane
+
+        def alive() -> set[str]:
+            with urllib.request.urlopen(instances, timeout=5) as response:
+                return {row["id"] for row in json.load(response)["instances"] if row["alive"]}
+
+        assert alive() == {"engine-0", "engine-1"}
+        os.kill(_pid_of(proc.pid, b"proxy_node", b"node-1"), signal.SIGKILL)
+        _until(lambda: any("node-1 exited with code -9" in line for line in said), "the report")
+        # engine-1 registered through node-1: it must not lapse. Watched for 4 TTLs.
+        watch_until = time.monotonic() + 4 * ttl_ms / 1000
+        while time.monotonic() < watch_until:
+            assert alive() == {"engine-0", "engine-1"}
+            time.sleep(0.1)
+        assert proc.poll() is None
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{base}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
         )
-        os.kill(engine, signal.SIGKILL)
-        out, err = proc.communicate(timeout=30)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+        os.kill(_pid_of(proc.pid, b"local_fleet.mock_engine", b"engine-0"), signal.SIGKILL)
+        _until(lambda: any("engine-0 exited with code -9" in line for line in said), "report")
+        _until(lambda: alive() == {"engine-1"}, "engine-0 no longer alive")
+        assert proc.poll() is None
+        os.kill(_pid_of(proc.pid, b"proxy_node", b"node-0"), signal.SIGKILL)
+        proc.wait(timeout=30)
+        out = proc.stdout.read()
+        reader.join(timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
-    assert proc.returncode == 1, err
-    assert "engine-0 exited with code -9; stopping" in err
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    assert proc.returncode == 1, said
+    assert any("node-0 exited with code -9; no node is left" in line for line in said), said
     assert "stopped." in out
