@@ -170,6 +170,42 @@ def test_all_unknown_totals_rotate_round_robin() -> None:
     assert all(set(s.sources.values()) == {"missing"} for s in scores.values())
 
 
+def test_a_tie_that_changes_from_call_to_call_starves_no_instance() -> None:
+    """A node ranking on its own counts (degraded mode): every ~150 ms a request that
+    takes ~280 ms, so the instances its last requests hold leave a different tie each
+    time. A rotation by a counter modulo the tie's size gave one of 4 instances 5-13%
+    of the requests live; each turn starting after the previous one's gives each
+    exactly its share."""
+    ids = ["e0", "e1", "e2", "e3"]
+    rr = RoundRobin()
+    running: list[tuple[int, str]] = []  # (end ms, instance)
+    counts = dict.fromkeys(ids, 0)
+    for i in range(400):
+        now = 150 * i
+        running = [(end, iid) for end, iid in running if end > now]
+        held = [iid for _, iid in running]
+        rows = [row(iid, inflight=held.count(iid), **NO_HINTS) for iid in ids]
+        choice = least_load(rows, Weights(), rr).choice
+        assert choice is not None and choice.inflight == min(r.inflight for r in rows)
+        counts[choice.id] += 1
+        running.append((now + 280 + 10 * (i % 4), choice.id))
+    assert counts == dict.fromkeys(ids, 100)
+
+
+def test_round_robin_takes_turns_as_candidates_come_and_go() -> None:
+    rr = RoundRobin()
+    every = [row(i) for i in ("a", "b", "c", "d")]
+
+    def pick(rows: list[InstanceLoad]) -> str:
+        choice = round_robin(rows, Weights(), rr).choice
+        assert choice is not None
+        return choice.id
+
+    assert [pick(every) for _ in range(2)] == ["a", "b"]
+    assert pick([r for r in every if r.id != "c"]) == "d"  # c left: the turn goes on
+    assert [pick(every) for _ in range(3)] == ["a", "b", "c"]
+
+
 def test_ties_at_the_minimum_rotate_and_never_pick_a_worse_one() -> None:
     rows = [row("a", inflight=1), row("b", inflight=5), row("c", inflight=1), row("d", inflight=1)]
     picked = choices(rows, 9)
