@@ -56,7 +56,13 @@ from coordinator.models import (
     RequestShape,
     Reservation,
 )
-from coordinator.outliers import Outcome, OutlierPolicy, OutlierView, parse_outliers
+from coordinator.outliers import (
+    CONSECUTIVE_OFF,
+    Outcome,
+    OutlierPolicy,
+    OutlierView,
+    parse_outliers,
+)
 from coordinator.packed import NO_SLOT, as_text, pack_candidate
 from coordinator.prefix import cheap_copy_tokens, guarded_cached_tokens, idle_fleet_room
 from coordinator.prefix_index import PrefixIndex
@@ -1554,17 +1560,24 @@ class Coordinator:
     # ------------------------------------------------------------------ passive health
 
     async def record_outcome(
-        self, instance_id: str, ok: bool, policy: OutlierPolicy, reason: str = ""
+        self,
+        instance_id: str,
+        ok: bool,
+        policy: OutlierPolicy,
+        reason: str = "",
+        rate: bool = False,
     ) -> Outcome:
-        """Count one exchange with an instance, fleet-wide; may eject it (record_outcome.lua)."""
+        """Count one exchange with an instance, fleet-wide; may eject it (record_outcome.lua).
+        `rate`: a failure that ejects whatever the count (this node's share of failed
+        exchanges with the instance reached the policy's: outliers.FailureShares)."""
         if not isinstance(instance_id, str) or not ID_RE.match(instance_id):
             raise InvalidArgumentError(f"instance id {instance_id!r} is not a valid id")
         reply = await self._call(
             "record_outcome",
             [
                 instance_id,
-                "ok" if ok else "fail",
-                max(1, policy.consecutive_failures),
+                "ok" if ok else ("rate" if rate else "fail"),
+                policy.consecutive_failures or CONSECUTIVE_OFF,
                 policy.failure_window_ms,
                 policy.base_ejection_ms,
                 policy.max_ejection_ms,

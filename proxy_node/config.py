@@ -49,11 +49,13 @@ ENV_VARS: dict[str, tuple[str, ...]] = {
     "eject_base_s": ("COORD_EJECT_BASE_S",),
     "eject_max_s": ("COORD_EJECT_MAX_S",),
     "eject_max_percent": ("COORD_EJECT_MAX_PERCENT",),
+    "eject_failure_percent": ("COORD_EJECT_FAILURE_PERCENT",),
+    "eject_failure_volume": ("COORD_EJECT_FAILURE_VOLUME",),
     "insecure_open_control_plane": ("COORD_INSECURE_OPEN_CONTROL_PLANE",),
 }
 
 INT_FIELDS = frozenset({"port", "control_port", "max_body_bytes", "max_connections"})
-INT_FIELDS |= {"eject_consecutive_failures"}
+INT_FIELDS |= {"eject_consecutive_failures", "eject_failure_volume"}
 FLOAT_FIELDS = frozenset(
     {
         "request_timeout_s",
@@ -70,6 +72,7 @@ FLOAT_FIELDS = frozenset(
         "eject_base_s",
         "eject_max_s",
         "eject_max_percent",
+        "eject_failure_percent",
     }
 )
 BOOL_FIELDS = frozenset({"insecure_open_control_plane"})
@@ -128,6 +131,9 @@ class NodeConfig:
     eject_base_s: float = 10.0  # first ejection; doubles with each repeat
     eject_max_s: float = 300.0  # longest ejection (Envoy max_ejection_time)
     eject_max_percent: float = 50.0  # never eject more than this share of the alive instances
+    eject_failure_percent: float = 20.0  # this share of failures among a node's last
+    # eject_failure_volume exchanges with an instance (within a minute) ejects it (0 = off)
+    eject_failure_volume: int = 20
     insecure_open_control_plane: bool = False  # allow a tokenless control plane off loopback
     settings: Settings = field(default_factory=Settings)  # coordinator knobs (COORD_*)
 
@@ -171,14 +177,16 @@ class NodeConfig:
             value = getattr(self, name)
             if not _finite(value) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a number > 0, got {value!r}")
-        for name in ("max_connections", "eject_consecutive_failures"):
+        for name in ("max_connections", "eject_consecutive_failures", "eject_failure_volume"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgumentError(f"{name} must be an integer >= 0, got {value!r}")
-        if not _finite(self.eject_max_percent) or not 0 <= self.eject_max_percent <= 100:
-            raise InvalidArgumentError(
-                f"eject_max_percent must be a number in 0..100, got {self.eject_max_percent!r}"
-            )
+        for name in ("eject_max_percent", "eject_failure_percent"):
+            value = getattr(self, name)
+            if not _finite(value) or not 0 <= value <= 100:
+                raise InvalidArgumentError(f"{name} must be a number in 0..100, got {value!r}")
+        if self.eject_failure_percent > 0 and self.eject_failure_volume < 1:
+            raise InvalidArgumentError("eject_failure_volume must be >= 1 (or the percent 0)")
         if _finite(self.eject_max_s) and _finite(self.eject_base_s):
             if self.eject_max_s < self.eject_base_s:
                 raise InvalidArgumentError("eject_max_s must be >= eject_base_s")
@@ -224,6 +232,8 @@ class NodeConfig:
             base_ejection_ms=max(1, round(self.eject_base_s * 1000)),
             max_ejection_ms=max(1, round(self.eject_max_s * 1000)),
             max_ejection_percent=float(self.eject_max_percent),
+            failure_percent=float(self.eject_failure_percent),
+            failure_volume=self.eject_failure_volume,
         )
 
     @property

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from coordinator import Coordinator
 from coordinator.errors import CoordinatorError
-from coordinator.outliers import OutlierPolicy, OutlierState, OutlierView
+from coordinator.outliers import FailureShares, OutlierPolicy, OutlierState, OutlierView
 from coordinator.tasks import raise_if_cancelling
 from proxy_node.metrics import NodeMetrics
 
@@ -34,6 +34,7 @@ class PassiveHealth:
         self.metrics = metrics
         self.view = OutlierView(0, {})
         self._read_mono = time.monotonic()
+        self.shares = FailureShares(policy)  # this node's recent exchanges per instance
 
     def _now_ms(self) -> int:
         """Redis time now, extrapolated from the last read."""
@@ -64,15 +65,22 @@ class PassiveHealth:
 
     async def report(self, instance_id: str, ok: bool, reason: str = "") -> None:
         """Count one exchange's outcome fleet-wide (never raises; logs an ejection)."""
-        if not self.policy.enabled or (ok and not self.failing(instance_id)):
+        if not self.policy.enabled:
+            return
+        share = self.shares.add(instance_id, ok, time.monotonic() * 1000)
+        if ok and not self.failing(instance_id):
             return
         if not ok:
             self.metrics.upstream_failures.labels(reason).inc()
         try:
-            outcome = await self.coordinator.record_outcome(instance_id, ok, self.policy, reason)
+            outcome = await self.coordinator.record_outcome(
+                instance_id, ok, self.policy, reason, rate=share is not None
+            )
         except CoordinatorError as exc:
             log.debug("recording the outcome of %s failed: %s", instance_id, exc)
             return
+        if outcome.state in ("ejected", "already"):
+            self.shares.forget(instance_id)  # back from its ejection, it starts clean
         states = dict(self.view.states)
         old = states.get(instance_id) or OutlierState(instance_id)
         states[instance_id] = replace(
@@ -83,23 +91,29 @@ class PassiveHealth:
             reason=reason or old.reason,
         )
         self.view = OutlierView(self._now_ms(), states)
+        if share is not None:
+            why = (
+                f"{share:.0f}% of its last {self.policy.failure_volume} exchanges through "
+                "this node failed"
+            )
+        else:
+            why = f"{outcome.consecutive_failures} consecutive failures"
         if outcome.state == "ejected":
             self.metrics.ejections.inc()
             log.warning(
-                "ejected instance %s for %d ms after %d consecutive failures (last: %s); "
-                "ejection %d in a row",
+                "ejected instance %s for %d ms after %s (last: %s); ejection %d in a row",
                 instance_id,
                 outcome.ejected_until_ms - outcome.now_ms,
-                outcome.consecutive_failures,
+                why,
                 reason,
                 outcome.ejections,
             )
         elif outcome.state == "capped":
             log.warning(
-                "instance %s failed %d times in a row but stays in: %g%% of the pool is "
-                "ejected already (--eject-max-percent)",
+                "instance %s stays in after %s: %g%% of the pool is ejected already "
+                "(--eject-max-percent)",
                 instance_id,
-                outcome.consecutive_failures,
+                why,
                 self.policy.max_ejection_percent,
             )
 

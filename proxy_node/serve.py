@@ -232,6 +232,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"[env COORD_EJECT_MAX_PERCENT; default {d.eject_max_percent:g}]",
     )
     add(
+        "--eject-failure-percent",
+        type=float,
+        default=S,
+        help="eject an instance once this share (percent) of this node's last "
+        "--eject-failure-volume exchanges with it, within a minute, failed, in a row or "
+        "not (Envoy failure_percentage), 0 = off "
+        f"[env COORD_EJECT_FAILURE_PERCENT; default {d.eject_failure_percent:g}]",
+    )
+    add(
+        "--eject-failure-volume",
+        type=int,
+        default=S,
+        help="exchanges the failure share is judged over "
+        f"[env COORD_EJECT_FAILURE_VOLUME; default {d.eject_failure_volume}]",
+    )
+    add(
         "--insecure-open-control-plane",
         action="store_true",
         default=S,
@@ -281,6 +297,8 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         "eject_base_s",
         "eject_max_s",
         "eject_max_percent",
+        "eject_failure_percent",
+        "eject_failure_volume",
         "insecure_open_control_plane",
     )
     return NodeConfig.from_env(os.environ, **{n: getattr(args, n, None) for n in names})

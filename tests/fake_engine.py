@@ -35,6 +35,7 @@ class FakeEngine:
     error_body: bytes = b'{"error":{"message":"nope","type":"invalid_request_error","code":"fake"}}'
     error_headers: dict[str, str] = field(default_factory=dict)  # sent with `status`
     crash_after: int | None = None  # cut the connection after this many chunks
+    fail_every: int = 0  # answer every n-th completion request 500 (0: none)
     hang: bool = False  # read the request and never answer (until stop)
     raw_body: bytes | None = None  # answer 200 with exactly these bytes (b"": empty body)
     omit_done: bool = False  # end a stream cleanly but without its final chunk and [DONE]
@@ -113,9 +114,10 @@ class FakeEngine:
         if self.hang:
             await self._wait(request, self._stopping)
             return web.Response(status=503)
-        if self.status != 200:
+        failing = self.fail_every > 0 and self.requests % self.fail_every == 0
+        if self.status != 200 or failing:
             return web.Response(
-                status=self.status,
+                status=500 if failing else self.status,
                 body=self.error_body,
                 content_type="application/json",
                 headers=self.error_headers,

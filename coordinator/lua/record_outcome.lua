@@ -12,7 +12,9 @@
 --   share is one ZCARD, so an ejection never scans the pool (at 10,000 instances the
 --   scan took 24 ms, and ran again on every failure once the cap was reached)
 -- ARGV[1] = instance id
--- ARGV[2] = outcome: 'ok' or 'fail'
+-- ARGV[2] = outcome: 'ok', 'fail', or 'rate': a failure that ejects whatever the count
+--   (the calling node's share of failed exchanges with the instance reached its
+--   threshold: coordinator/outliers.py FailureShares), unless the share cap says no
 -- ARGV[3] = consecutive failures that eject (integer >= 1)
 -- ARGV[4] = failure window in ms (integer >= 1)
 -- ARGV[5] = first ejection in ms (integer >= 1)
@@ -30,7 +32,9 @@ local O = KEYS[17]
 local id = ARGV[1]
 if not valid_id(id) then return fail('bad_arg', 'instance id') end
 local outcome = ARGV[2]
-if outcome ~= 'ok' and outcome ~= 'fail' then return fail('bad_arg', 'outcome') end
+if outcome ~= 'ok' and outcome ~= 'fail' and outcome ~= 'rate' then
+  return fail('bad_arg', 'outcome')
+end
 local threshold = int_arg(ARGV[3], 1000000)
 local window = int_arg(ARGV[4], 86400000)
 local base = int_arg(ARGV[5], 86400000)
@@ -76,7 +80,9 @@ if fails > 0 and now - field('last_fail_ms') > window then fails = 0 end
 fails = fails + 1
 redis.call('HSET', O, id .. ':fails', fails, id .. ':last_fail_ms', string.format('%d', now),
   id .. ':reason', string.sub(ARGV[9] or '', 1, 64))
-if fails < threshold then return {'counted', fails, until_ms, ejections, now} end
+if fails < threshold and outcome ~= 'rate' then
+  return {'counted', fails, until_ms, ejections, now}
+end
 -- The share cap: ejections that ended leave the zset here. A node with no view of the
 -- pool (0) gets the registered instances as the denominator.
 redis.call('ZREMRANGEBYSCORE', KEYS[18], '-inf', string.format('%d', now))

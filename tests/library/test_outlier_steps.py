@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from coordinator import Coordinator
-from coordinator.outliers import OutlierPolicy
+from coordinator.errors import InvalidArgumentError
+from coordinator.outliers import RATE_WINDOW_MS, FailureShares, OutlierPolicy
 from tests.conftest import MakeCoordinator
 from tests.helpers import spec
 from tests.library.test_fault_paths import intercept
@@ -95,3 +96,56 @@ async def test_read_outliers_leaves_out_earlier_epochs_and_removed_instances(
     await c.unregister_instance("i9")
     view = await c.read_outliers()
     assert set(view.states) == {f"i{i}" for i in range(200)} - {"i7", "i9"}
+
+
+async def test_a_rate_failure_ejects_at_once_within_the_cap(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """record_outcome's 'rate': the node's failure share reached the policy's, so the
+    instance goes whatever its count in a row, unless the share cap says no; with
+    consecutive failures off, plain failures only count."""
+    c = await pool_of(make_coordinator, 4)
+    policy = OutlierPolicy(consecutive_failures=0)
+    for _ in range(30):
+        assert (await c.record_outcome("i0", False, policy, "status_500")).state == "counted"
+    first = await c.record_outcome("i0", False, policy, "status_502", rate=True)
+    assert first.state == "ejected" and first.ejections == 1
+    assert (await c.read_outliers()).state("i0").reason == "status_502"
+    assert (await c.record_outcome("i1", False, policy, "x", rate=True)).state == "ejected"
+    # Half of 4 alive instances are out: a third may not go.
+    assert (await c.record_outcome("i2", False, policy, "x", rate=True)).state == "capped"
+    assert (await c.read_outliers()).ejected_ids() == {"i0", "i1"}
+
+
+def test_failure_shares_judge_a_nodes_last_exchanges_within_the_window() -> None:
+    shares = FailureShares(OutlierPolicy(failure_percent=25.0, failure_volume=8))
+    # Below the volume nothing is judged, however bad.
+    assert [shares.add("a", False, t) for t in range(7)] == [None] * 7
+    assert shares.add("a", False, 7) == 100.0
+    shares.forget("a")
+    outcomes = [True, True, False, True, True, True, True, False]  # 2 of 8: 25%
+    judged = [shares.add("a", ok, 100 + t) for t, ok in enumerate(outcomes)]
+    assert judged == [None] * 7 + [25.0]
+    assert shares.add("a", True, 108) is None  # a success never ejects
+    # Exchanges older than the window leave it: 8 recent ones are needed again.
+    late = 108 + RATE_WINDOW_MS + 1
+    assert shares.add("a", False, late) is None
+    assert shares.add("b", False, 0) is None  # instances are judged apart
+    off = FailureShares(OutlierPolicy(failure_percent=0.0))
+    assert [off.add("a", False, t) for t in range(50)] == [None] * 50
+
+
+def test_failure_shares_keep_a_bounded_number_of_instances() -> None:
+    shares = FailureShares(OutlierPolicy(), kept=2)
+    shares.add("a", True, 0)
+    shares.add("b", True, 0)
+    shares.add("c", True, RATE_WINDOW_MS + 1)  # a and b are stale by then
+    assert set(shares._last) == {"c"}
+
+
+@pytest.mark.parametrize(
+    "bad", [{"failure_percent": -1.0}, {"failure_percent": 101.0}, {"failure_volume": 0}]
+)
+def test_failure_share_policy_rejects(bad: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgumentError):
+        OutlierPolicy(**bad)

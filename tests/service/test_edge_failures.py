@@ -169,9 +169,33 @@ async def test_a_success_resets_the_count_and_ejection_backs_off(harness: Harnes
     assert second.ejections == 2
 
 
+async def test_an_engine_failing_one_request_in_three_is_ejected(harness: Harness) -> None:
+    """Never 5 failures in a row (the consecutive rule), but a third of them: this
+    node's failure share over its last 20 exchanges with it (20%) ejects it."""
+    flaky, good = await harness.engine(fail_every=3), await harness.engine()
+    node = await harness.node(eject_base_s=60.0, eject_max_s=600.0)
+    await register(node, flaky, good)
+    served = []
+    for _ in range(60):
+        status, instance, _ = await chat(harness, node)
+        assert status == 200  # each 500 is retried on the other engine
+        served.append(instance)
+        if await in_redis_ejected(node, "e0"):
+            break
+    assert await in_redis_ejected(node, "e0")
+    # Judged on 20 exchanges, never 2 failures in a row: the consecutive rule alone
+    # would have kept it in.
+    assert flaky.requests >= 20
+    state = (await node.coordinator.read_outliers()).state("e0")
+    assert state.consecutive_failures == 0 and state.reason == "status_500"
+    for _ in range(6):
+        assert (await chat(harness, node))[:2] == (200, "e1")
+    assert await metric(harness, node.url, "proxy_ejections_total") == 1
+
+
 async def test_ejection_can_be_turned_off(harness: Harness) -> None:
     bad, good = await harness.engine(status=500), await harness.engine()
-    node = await harness.node(eject_consecutive_failures=0)
+    node = await harness.node(eject_consecutive_failures=0, eject_failure_percent=0.0)
     # Zero timing: nothing predicted, so every decision is a tie and ties rotate (with
     # the default timing a few ms left on one prefill cursor would break them).
     for i, engine in enumerate((bad, good)):
@@ -183,11 +207,11 @@ async def test_ejection_can_be_turned_off(harness: Harness) -> None:
             decode_ms_per_token=0.0,
         )
         await node.coordinator.register_instance(spec)
-    for _ in range(12):
+    for _ in range(24):
         assert (await chat(harness, node))[:2] == (200, "e1")  # e0's 500s retried on e1
-    # Each request's two reserves move the tie rotation twice: each tries e0 first. 12
-    # failures in a row on e0: past the default threshold (5), yet never ejected.
-    assert bad.requests == 12 and good.requests == 12
+    # Each request tries e0 first (its retry e1). 24 failures in a row on e0: past
+    # both default rules (5 in a row; 20% of 20), yet never ejected.
+    assert bad.requests == 24 and good.requests == 24
 
 
 # ---------------------------------------------------------------------- bounded waits
