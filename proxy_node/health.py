@@ -72,9 +72,12 @@ class PassiveHealth:
             return
         if not ok:
             self.metrics.upstream_failures.labels(reason).inc()
+        stored = reason  # what operators see as the last failure's reason
+        if share is not None:
+            stored = f"{reason}; {share:.0f}% of the last {self.policy.failure_volume} failed"
         try:
             outcome = await self.coordinator.record_outcome(
-                instance_id, ok, self.policy, reason, rate=share is not None
+                instance_id, ok, self.policy, stored, rate=share is not None
             )
         except CoordinatorError as exc:
             log.debug("recording the outcome of %s failed: %s", instance_id, exc)
@@ -88,7 +91,7 @@ class PassiveHealth:
             consecutive_failures=outcome.consecutive_failures,
             ejected_until_ms=outcome.ejected_until_ms,
             ejections=outcome.ejections,
-            reason=reason or old.reason,
+            reason=stored or old.reason,
         )
         self.view = OutlierView(self._now_ms(), states)
         if share is not None:
