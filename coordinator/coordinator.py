@@ -603,6 +603,18 @@ class Coordinator:
                 await self.refresh()
         return self._current_snapshot()
 
+    async def alive_ids(self) -> set[str]:
+        """Ids of the instances alive as `snapshot()` rows have them, without building
+        the rows (60-90 ms of the event loop at 10,000 instances): /healthz asks on
+        every probe."""
+        if not self._degraded:
+            with suppress(CoordinationUnavailableError):
+                await self.refresh()
+        if self._degraded:
+            return {iid for iid in self._cache.rows if iid in self._alive_when_degraded}
+        now, ttl = self._cache.estimated_now_ms(), self.settings.instance_ttl_ms
+        return {iid for iid, row in self._cache.rows.items() if now - row.last_seen_ms <= ttl}
+
     def _current_snapshot(self) -> Snapshot:
         """Score inputs from the cache (degraded: local counters, no predicted layer)."""
         s = self.settings

@@ -21,6 +21,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from coordinator import Coordinator
 from coordinator.connection import eviction_warning
+from coordinator.outliers import OutlierView
+from coordinator.settings import Weights
+from coordinator.snapshot import Snapshot
 from coordinator.strategies import eligible, score_rows
 from coordinator.tasks import stop_task
 from proxy_node import control, hints, static
@@ -193,9 +196,8 @@ async def healthz(request: web.Request) -> web.Response:
     """
     service = service_of(request.app)
     coordinator = service[COORDINATOR]
-    snap = await coordinator.snapshot()
+    alive = await coordinator.alive_ids()
     ejected = service[HEALTH].ejected_ids()
-    alive = [row for row in snap.rows if row.alive]
     draining = service[STATE].draining
     return web.json_response(
         {
@@ -207,7 +209,7 @@ async def healthz(request: web.Request) -> web.Response:
             "node_id_shared": coordinator.node_id_shared,
             # alive: the engine answered within the instance TTL (docs/reliability.md)
             "alive_instances": len(alive),
-            "ejected_instances": sum(1 for row in alive if row.id in ejected),
+            "ejected_instances": len(alive & ejected),
         },
         status=503 if draining else 200,
     )
@@ -219,13 +221,24 @@ async def metrics(request: web.Request) -> web.Response:
     coordinator = service[COORDINATOR]
     snap = await coordinator.snapshot()
     outliers = await service[HEALTH].refresh()
+    # Scoring and writing out every instance's series takes the CPU for 60 ms at 1,000
+    # instances, 0.75 s at 10,000: in a thread, so that the event loop goes on serving
+    # requests and reading Redis replies within their timeout meanwhile.
+    body = await asyncio.to_thread(
+        render_metrics, service[METRICS], snap, outliers, coordinator.settings.weights
+    )
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def render_metrics(
+    node_metrics: NodeMetrics, snap: Snapshot, outliers: OutlierView, weights: Weights
+) -> bytes:
+    """The /metrics text for this snapshot (off the event loop: it only reads `snap`)."""
     # Scored directly (not through rank()): a scrape must not advance the rotation.
     ejected = outliers.ejected_ids()
     candidates = [row for row in eligible(snap.rows) if row.id not in ejected]
-    scores = score_rows(candidates, coordinator.settings.weights)
-    node_metrics = service[METRICS]
-    node_metrics.observe_snapshot(snap, scores, outliers)
-    return web.Response(body=node_metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    node_metrics.observe_snapshot(snap, score_rows(candidates, weights), outliers)
+    return node_metrics.render()
 
 
 async def models(request: web.Request) -> web.Response:

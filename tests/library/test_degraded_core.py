@@ -356,3 +356,39 @@ def test_write_refusing_replies_are_recognised(text: str) -> None:
     assert is_write_refused(OutOfMemoryError("command not allowed"))
     assert is_write_refused(ReadOnlyError("You can't write against a read only replica."))
     assert not is_write_refused(ResponseError("ERR unknown command 'FOO'"))
+
+
+async def alive_in_snapshot(c: Coordinator) -> set[str]:
+    return {row.id for row in (await c.snapshot()).rows if row.alive}
+
+
+async def test_alive_ids_are_the_snapshots_alive_rows_ok_expired_and_degraded(
+    server: EmbeddedRedis,
+) -> None:
+    """/healthz counts alive instances with alive_ids(), which skips building the
+    rows: it must agree with the snapshot in every state."""
+    settings = Settings(
+        redis_timeout_ms=100,
+        recovery_interval_ms=50,
+        instance_ttl_ms=400,
+        heartbeat_interval_ms=100,
+    )
+    c = Coordinator(connect_redis(server.url, settings), pool="p", node_id="n1", settings=settings)
+    try:
+        for i in range(3):
+            await c.register_instance(spec(i))
+        assert await c.alive_ids() == await alive_in_snapshot(c) == {"i0", "i1", "i2"}
+
+        async def only_i0_alive() -> bool:
+            await c.heartbeat_instance("i0", {})
+            return await alive_in_snapshot(c) == {"i0"}
+
+        await wait_for(only_i0_alive, what="i1 and i2 to expire while i0 heartbeats")
+        assert await c.alive_ids() == {"i0"}
+        server.stop()
+        await c.reserve(100, 10)  # finds Redis gone: degraded
+        assert c.coordination == "degraded"
+        assert (await c.register_instance(spec(3))).status == "local"
+        assert await c.alive_ids() == await alive_in_snapshot(c) == {"i0", "i3"}
+    finally:
+        await c.close()
