@@ -186,8 +186,9 @@ class Registrar:
         gives way at once to the next one given, with the heartbeat that failed: any
         node's control plane serves the whole pool, so an engine stays registered
         while one node is down. Backoff starts once every one has failed in a row.
-        A refused credential (RegistrationDeniedError) is raised, not retried: the
-        same token will be refused again.
+        A refused credential (RegistrationDeniedError) from every control plane in a
+        row is raised, not retried: the same token will be refused again (one node
+        that refuses it, misconfigured, gives way to the next like a dead one).
         """
         delay = self.backoff_s
         others = len(self.control_urls) - 1  # to try at once before backing off
@@ -207,8 +208,13 @@ class Registrar:
                     continue
                 due = False
                 delay, others = self.backoff_s, len(self.control_urls) - 1
-            except RegistrationDeniedError:
-                raise
+            except RegistrationDeniedError as exc:
+                if others == 0:
+                    raise  # every control plane refused: the same token will be refused
+                others -= 1
+                failed = self.control_url
+                self._next_control_plane()
+                log.warning("control plane %s: %s; trying %s", failed, exc, self.control_url)
             except (aiohttp.ClientError, TimeoutError, RegistrationError, ValueError) as exc:
                 failed = self.control_url
                 self._next_control_plane()

@@ -722,6 +722,29 @@ async def test_with_several_control_planes_a_dead_one_gives_way_at_once(
         await second.stop()
 
 
+async def test_one_control_plane_refusing_the_token_gives_way_to_the_next(
+    start_engine: StartEngine,
+) -> None:
+    """A node with another token (misconfigured) must not stop the engine while the
+    next control plane accepts it."""
+    pool: dict[str, int] = {}
+    wrong = FakeControlPlane(token="other", epochs=pool)
+    right = FakeControlPlane(token="s3cret", epochs=pool)
+    await wrong.start()
+    await right.start()
+    try:
+        eng = await start_engine(
+            register=f"{wrong.url},{right.url}", instance_id="e7", token="s3cret"
+        )
+        await wait_for(lambda: len(right.heartbeats) >= 2, what="heartbeats via the second")
+        assert wrong.unauthorized >= 1 and wrong.registrations == []
+        task = eng.registration()
+        assert task is not None and not task.done()
+    finally:
+        await wrong.stop()
+        await right.stop()
+
+
 def test_register_takes_comma_separated_urls() -> None:
     config = MockEngineConfig(register="http://a:8002, http://b:8002")
     assert config.register_urls == ["http://a:8002", "http://b:8002"]
