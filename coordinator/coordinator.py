@@ -634,7 +634,10 @@ class Coordinator:
         rows = []
         for row in self._cache.rows.values():
             c = counts.get(row.id, [0, 0, 0])
-            local = replace(row, inflight=c[0], pending_prefill=c[1], active_decode=c[2])
+            # No hints: what the engines reported before Redis went is frozen (no node
+            # stores new ones without it), and an engine that looked idle then would
+            # draw every node's requests for the hints' TTL.
+            local = replace(row, inflight=c[0], pending_prefill=c[1], active_decode=c[2], hints={})
             load = instance_load(
                 local,
                 now,
@@ -657,6 +660,8 @@ class Coordinator:
         if name not in STRATEGIES:
             raise InvalidArgumentError(f"unknown strategy {name!r}; choose from {STRATEGIES}")
         rows = [r for r in eligible(snap.rows) if r.id not in exclude]
+        # Degraded, the node ranks on its own counts: ties take turns (RoundRobin).
+        self._rr.turns = snap.coordination == "degraded"
         return rank(name, rows, self.settings.weights, self._rr, self._rng, request)
 
     # ------------------------------------------------------------------ reservations

@@ -12,8 +12,7 @@ read (a reservation reads the chosen one's).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import overload
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -273,7 +272,7 @@ class ColumnarPool:
                 total = np.zeros(count)
             if self._weighted:
                 total = total / c["weight"][sel]
-            order, tied = self._top(total, rr, k, eligible)
+            order, tied = self._top(total, rr, k)
         chosen = order if eligible is None else eligible[order]
         ids = [self.ids[i] for i in chosen.tolist()]
         totals = total[order].tolist()
@@ -366,25 +365,27 @@ class ColumnarPool:
             column[i] = min(np.ceil(raw), float(MAX_PREDICTED_MS)) if raw > 0 else 0.0
         return column
 
-    def _top(
-        self, total: Floats, rr: RoundRobin, k: int, eligible: Positions | None = None
-    ) -> tuple[Positions, int]:
-        """Positions of the first k: the tied minimum in id order from where rr's turn
-        starts (strategies.RoundRobin.turn), then (total, id) order; and the size of
-        the tied minimum. `eligible` maps positions to the pool's (None: the same).
+    def _top(self, total: Floats, rr: RoundRobin, k: int) -> tuple[Positions, int]:
+        """Positions of the first k: tied minimum rotated by rr, then (total, id) order;
+        and the size of the tied minimum.
 
         Positions are in id order, so a stable sort by total is the (total, id) order,
         and the tied minimum is a prefix of it.
         """
         n = total.size
         best = total.min()
+        lowest = total == best
         # `==` too: when every total is inf, inf - inf is NaN and nothing would tie.
-        tied_mask = (total == best) | (total - best <= TIE_EPSILON)
+        tied_mask = lowest | (total - best <= TIE_EPSILON)
         tied = int(np.count_nonzero(tied_mask))
+        shift = rr.take() % tied
         if tied >= k:  # the first k are tied ones: sort only those
-            ties = np.flatnonzero(tied_mask)
-            start = self._turn(ties, rr, eligible)
-            return ties.take(np.arange(start, start + k), mode="wrap"), tied
+            if int(np.count_nonzero(lowest)) == tied:  # all equal (idle ones): id order
+                ties = np.flatnonzero(lowest)
+            else:
+                ties = np.flatnonzero(tied_mask)
+                ties = ties[np.argsort(total[ties], kind="stable")]
+            return ties.take(np.arange(shift, shift + k), mode="wrap"), tied
         if n <= k or n < self.sort_all_below:
             ordered = np.argsort(total, kind="stable")[:k]
         else:
@@ -392,34 +393,9 @@ class ColumnarPool:
             # Every total up to the k-th smallest, equal ones included, in id order.
             near = np.flatnonzero(total <= cutoff)
             ordered = near[np.argsort(total[near], kind="stable")[:k]]
-        ties = np.sort(ordered[:tied])
-        start = self._turn(ties, rr, eligible)
-        return np.concatenate((ties[start:], ties[:start], ordered[tied:])), tied
-
-    def _turn(self, ties: Positions, rr: RoundRobin, eligible: Positions | None) -> int:
-        """Where rr's turn starts among these tied positions (ascending)."""
-        return rr.turn(_IdsAt(self.ids, ties if eligible is None else eligible[ties]))
-
-
-class _IdsAt(Sequence[str]):
-    """The ids at some of the pool's positions (ascending), without a list of them:
-    RoundRobin.turn bisects it."""
-
-    def __init__(self, ids: list[str], positions: Positions) -> None:
-        self._ids = ids
-        self._positions = positions
-
-    def __len__(self) -> int:
-        return int(self._positions.size)
-
-    @overload
-    def __getitem__(self, i: int) -> str: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[str]: ...
-    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
-        if isinstance(i, slice):
-            return [self._ids[p] for p in self._positions[i].tolist()]
-        return self._ids[int(self._positions[i])]
+        if shift:
+            ordered = np.concatenate((ordered[shift:tied], ordered[:shift], ordered[tied:]))
+        return ordered, tied
 
 
 class LazyScores(Mapping[str, Score]):

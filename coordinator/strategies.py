@@ -28,18 +28,21 @@ TIE_EPSILON = 1e-9
 
 @dataclass(slots=True)
 class RoundRobin:
-    """A per-pool turn, for round_robin and for breaking ties: each turn starts at the
-    first id after the one the previous turn started with.
+    """A per-pool rotation for round_robin and for breaking ties.
 
-    A counter taken modulo the size of a tie would favour some members of a tie whose
-    members change from call to call (the instances a node's own requests leave idle)
-    and starve others: in degraded mode one of 4 engines got 5% of the requests. The
-    first turn starts at `counter` (a node's own offset, so nodes do not all start
-    with the same instance).
+    By default the rotation is a counter taken modulo the size of the tie: in the
+    fleet's normal mode the reserve script walks a tie round the pool by slot anyway
+    (`Ranking.for_reserve`), and the node only picks which candidates to send. With
+    `turns`, each turn starts at the first id after the one the previous turn started
+    with: a node ranking on its own counts (degraded mode) changes the tie from call
+    to call, and a counter modulo its size then favours some members and starves
+    others (one engine of four got 5% of the requests). `counter` is also where the
+    first turn starts (a node's own offset, so nodes do not all start alike).
     """
 
     counter: int = 0
-    last: str | None = None  # the id the previous turn started with
+    turns: bool = False
+    last: str | None = None  # with `turns`: the id the previous turn started with
 
     def take(self) -> int:
         """Return the current position and advance."""
@@ -47,16 +50,18 @@ class RoundRobin:
         self.counter += 1
         return value
 
-    def turn(self, ids: Sequence[str]) -> int:
-        """Where this turn starts among `ids` (sorted, at least one): the first after
-        `last`, wrapping round; noted as the new `last`."""
-        if self.last is None:
+    def start(self, ids: Sequence[str]) -> int:
+        """Where this rotation of `ids` (sorted, at least one) starts: the counter
+        modulo their number, or with `turns` the first after `last`, wrapping round
+        (noted as the new `last`)."""
+        if not self.turns or self.last is None:
             k = self.take() % len(ids)
         else:
             k = bisect.bisect_right(ids, self.last)
             if k == len(ids):
                 k = 0
-        self.last = ids[k]
+        if self.turns:
+            self.last = ids[k]
         return k
 
 
@@ -260,9 +265,9 @@ def score_rows(
 def _rank_by_score(
     rows: Sequence[InstanceLoad], scores: dict[str, Score], rr: RoundRobin
 ) -> tuple[list[InstanceLoad], int]:
-    """Order by total; the tied minimum, in id order, takes its turn (rr); unknown
-    totals go last (taking the turn when no total is known). Also returns the size of
-    the tied minimum (1 when none is known)."""
+    """Order by total; the tied minimum rotates (rr); unknown totals go last (rotated
+    when no total is known). Also returns the size of the tied minimum (1 when none is
+    known)."""
     if not rows:
         return [], 1
     known = sorted(
@@ -278,16 +283,18 @@ def _rank_by_score(
         # `==` too: when every total is inf, inf - inf is NaN and nothing would tie.
         return total == best or total - best <= TIE_EPSILON
 
-    tied = sorted((r for r in known if ties(scores[r.id].total or 0.0)), key=lambda r: r.id)
+    tied = [r for r in known if ties(scores[r.id].total or 0.0)]
     rest = known[len(tied) :]
+    if rr.turns:  # a turn goes by id (a counter's rotation keeps the (total, id) order)
+        tied.sort(key=lambda r: r.id)
     return _turn(tied, rr) + rest + unknown, len(tied)
 
 
 def _turn(items: list[InstanceLoad], rr: RoundRobin) -> list[InstanceLoad]:
-    """`items` (in id order) from where rr's turn starts, wrapping round."""
+    """`items` from where rr's rotation starts (RoundRobin.start), wrapping round."""
     if not items:
         return items
-    k = rr.turn([r.id for r in items])
+    k = rr.start([r.id for r in items])
     return items[k:] + items[:k]
 
 

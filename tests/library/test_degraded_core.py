@@ -392,3 +392,49 @@ async def test_alive_ids_are_the_snapshots_alive_rows_ok_expired_and_degraded(
         assert await c.alive_ids() == await alive_in_snapshot(c) == {"i0", "i3"}
     finally:
         await c.close()
+
+
+async def test_degraded_ties_take_turns_so_no_instance_starves(
+    server: EmbeddedRedis, node: Coordinator
+) -> None:
+    """Degraded, a node ranks on its own counts, and the requests it holds change the
+    tie from call to call: each instance still gets its share (RoundRobin `turns`;
+    a counter modulo the tie's size gave one of 4 engines 5% live)."""
+    c = node
+    await c.register_instance(spec(3))
+    assert await c.release((await c.reserve(100, 10)).rid) is True
+    assert c.coordination == "ok"
+    server.stop()
+    # A request every 150 ms that takes 280-310 ms (tests/library/test_strategies.py
+    # has the same schedule): what it holds changes the tie from call to call.
+    held: list[tuple[int, str]] = []  # (end ms, rid)
+    counts: dict[str, int] = {}
+    for i in range(200):
+        for end, rid in [h for h in held if h[0] <= 150 * i]:
+            assert await c.release(rid) is True
+            held.remove((end, rid))
+        res = await c.reserve(100, 10)
+        assert res.degraded
+        counts[res.instance_id] = counts.get(res.instance_id, 0) + 1
+        held.append((150 * i + 280 + 10 * (i % 4), res.rid))
+    assert counts == {f"i{k}": 50 for k in range(4)}
+
+
+async def test_degraded_rows_carry_no_frozen_hints(
+    server: EmbeddedRedis, node: Coordinator
+) -> None:
+    """Engine hints stop with Redis (no node can store new ones): the ones read before
+    are frozen, and an engine that looked idle then would draw every request until
+    they age out. Degraded rows rank without them."""
+    c = node
+    for i in range(3):
+        await c.store_hints(f"i{i}", {"engine_running": 0.0 if i == 0 else 40.0})
+    await c.refresh()
+    snap = await c.snapshot()
+    assert {r.id: r.engine_running for r in snap.rows} == {"i0": 0.0, "i1": 40.0, "i2": 40.0}
+    server.stop()
+    picks = [(await c.reserve(100, 10)).instance_id for _ in range(6)]
+    assert c.coordination == "degraded"
+    degraded = await c.snapshot()
+    assert all(r.engine_running is None and r.engine_waiting is None for r in degraded.rows)
+    assert sorted(picks) == ["i0", "i0", "i1", "i1", "i2", "i2"]  # on its own counts

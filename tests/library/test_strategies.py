@@ -175,9 +175,9 @@ def test_a_tie_that_changes_from_call_to_call_starves_no_instance() -> None:
     takes ~280 ms, so the instances its last requests hold leave a different tie each
     time. A rotation by a counter modulo the tie's size gave one of 4 instances 5-13%
     of the requests live; each turn starting after the previous one's gives each
-    exactly its share."""
+    exactly its share (`turns`, which degraded mode ranks with)."""
     ids = ["e0", "e1", "e2", "e3"]
-    rr = RoundRobin()
+    rr = RoundRobin(turns=True)
     running: list[tuple[int, str]] = []  # (end ms, instance)
     counts = dict.fromkeys(ids, 0)
     for i in range(400):
@@ -193,7 +193,7 @@ def test_a_tie_that_changes_from_call_to_call_starves_no_instance() -> None:
 
 
 def test_round_robin_takes_turns_as_candidates_come_and_go() -> None:
-    rr = RoundRobin()
+    rr = RoundRobin(turns=True)
     every = [row(i) for i in ("a", "b", "c", "d")]
 
     def pick(rows: list[InstanceLoad]) -> str:
