@@ -294,7 +294,8 @@ def _turn(items: list[InstanceLoad], rr: RoundRobin) -> list[InstanceLoad]:
     """`items` from where rr's rotation starts (RoundRobin.start), wrapping round."""
     if not items:
         return items
-    k = rr.start([r.id for r in items])
+    # A counter's rotation needs no ids: a large tie's list of them costs a decision.
+    k = rr.start([r.id for r in items]) if rr.turns else rr.take() % len(items)
     return items[k:] + items[:k]
 
 
