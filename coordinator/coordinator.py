@@ -612,6 +612,10 @@ class Coordinator:
                 await self.refresh()
         if self._degraded:
             return {iid for iid in self._cache.rows if iid in self._alive_when_degraded}
+        return self._alive_in_view()
+
+    def _alive_in_view(self) -> set[str]:
+        """Instances whose last heartbeat in this node's view is within the TTL."""
         now, ttl = self._cache.estimated_now_ms(), self.settings.instance_ttl_ms
         return {iid for iid, row in self._cache.rows.items() if now - row.last_seen_ms <= ttl}
 
@@ -1608,8 +1612,7 @@ class Coordinator:
 
     def _alive_count(self) -> int:
         """Instances alive in this node's view: the ejection cap's denominator."""
-        now, ttl = self._cache.estimated_now_ms(), self.settings.instance_ttl_ms
-        return sum(1 for row in self._cache.rows.values() if now - row.last_seen_ms <= ttl)
+        return len(self._alive_in_view())
 
     async def read_outliers(self) -> OutlierView:
         """Every instance's passive-health record and the Redis time of the read (in

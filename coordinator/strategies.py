@@ -50,18 +50,16 @@ class RoundRobin:
         self.counter += 1
         return value
 
-    def start(self, ids: Sequence[str]) -> int:
-        """Where this rotation of `ids` (sorted, at least one) starts: the counter
-        modulo their number, or with `turns` the first after `last`, wrapping round
-        (noted as the new `last`)."""
-        if not self.turns or self.last is None:
+    def turn(self, ids: Sequence[str]) -> int:
+        """Where a turn over `ids` (sorted, at least one) starts: the first after
+        `last`, wrapping round (the first turn: at the counter); noted as `last`."""
+        if self.last is None:
             k = self.take() % len(ids)
         else:
             k = bisect.bisect_right(ids, self.last)
             if k == len(ids):
                 k = 0
-        if self.turns:
-            self.last = ids[k]
+        self.last = ids[k]
         return k
 
 
@@ -291,11 +289,12 @@ def _rank_by_score(
 
 
 def _turn(items: list[InstanceLoad], rr: RoundRobin) -> list[InstanceLoad]:
-    """`items` from where rr's rotation starts (RoundRobin.start), wrapping round."""
+    """`items` from where rr's rotation starts (its counter, or with `turns` its
+    turn), wrapping round."""
     if not items:
         return items
     # A counter's rotation needs no ids: a large tie's list of them costs a decision.
-    k = rr.start([r.id for r in items]) if rr.turns else rr.take() % len(items)
+    k = rr.turn([r.id for r in items]) if rr.turns else rr.take() % len(items)
     return items[k:] + items[:k]
 
 

@@ -208,13 +208,6 @@ class Registrar:
                     continue
                 due = False
                 delay, others = self.backoff_s, len(self.control_urls) - 1
-            except RegistrationDeniedError as exc:
-                if others == 0:
-                    raise  # every control plane refused: the same token will be refused
-                others -= 1
-                failed = self.control_url
-                self._next_control_plane()
-                log.warning("control plane %s: %s; trying %s", failed, exc, self.control_url)
             except (aiohttp.ClientError, TimeoutError, RegistrationError, ValueError) as exc:
                 failed = self.control_url
                 self._next_control_plane()
@@ -222,6 +215,8 @@ class Registrar:
                     others -= 1
                     log.warning("control plane %s: %r; trying %s", failed, exc, self.control_url)
                     continue
+                if isinstance(exc, RegistrationDeniedError):
+                    raise  # every control plane refused: the same token will be refused
                 log.warning("control plane %s: %r; retrying in %.2f s", failed, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.backoff_max_s)
