@@ -80,6 +80,7 @@ from coordinator.timing import (
     expected_output,
     flush_interval_ms,
     pack,
+    resolve_pool,
     unpack,
 )
 
@@ -1728,7 +1729,12 @@ class Coordinator:
                     cursor = ""  # the hash was read to its end: only merges remain
             if cursor == "" and not batches:
                 break
-        self._cache.apply_learned(records)
+        # Resolving every instance's timing takes the CPU for about 100 ms at 10,000
+        # instances: in a worker thread, so that the event loop serves on meanwhile.
+        cache = self._cache
+        inputs = cache.timing_inputs()
+        prior, timings = await asyncio.to_thread(resolve_pool, cache.timing_policy, inputs, records)
+        self._cache.apply_learned(records, (inputs, prior, timings))
 
     def timing_flush_interval_ms(self) -> float:
         """How long the node waits between merges: timing_flush_ms while the pool has at

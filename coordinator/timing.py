@@ -314,18 +314,28 @@ def pool_prior(learned: Iterable[InstanceSpec]) -> InstanceSpec | None:
     )
 
 
+# Each instance's configured spec and epoch, by id: what resolve_pool resolves.
+TimingInputs = Mapping[str, tuple[InstanceSpec, int]]
+# resolve_pool's answer with the inputs it was given (PoolCache.apply_learned).
+ResolvedPool = tuple[
+    TimingInputs, InstanceSpec | None, dict[str, tuple[InstanceSpec, TimingSource]]
+]
+
+
 def resolve_pool(
     policy: TimingPolicy,
-    entries: Mapping[str, tuple[InstanceSpec, int]],
+    entries: TimingInputs,
     records: Mapping[str, list[float]],
 ) -> tuple[InstanceSpec | None, dict[str, tuple[InstanceSpec, TimingSource]]]:
     """Every instance's resolved timing, and the pool prior they were resolved with.
 
-    `entries` maps instance ids to their configured spec and current epoch.
+    `entries` maps instance ids to their configured spec and current epoch. Only an
+    instance with a record can be learned, so only those make the prior.
     """
     own = [
-        policy.resolve(spec, epoch, records.get(iid), None)
+        policy.resolve(spec, epoch, records[iid], None)
         for iid, (spec, epoch) in entries.items()
+        if iid in records
     ]
     prior = pool_prior(spec for spec, src in own if src.prefill == src.decode == "learned")
     resolved = {

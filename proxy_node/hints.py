@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 MAX_SCRAPE_TIMEOUT_S = 2.0  # one scrape; a slow engine must not stall the round
 MAX_METRICS_BYTES = 4 * 1024 * 1024  # an engine's /metrics larger than this is skipped
+MAX_CONCURRENT_SCRAPES = 64  # engines one node scrapes at the same time
 
 # Prometheus metric family -> hint name. Values of one family are summed over its
 # label sets (vLLM labels by model and, with data parallelism, by engine).
@@ -88,10 +89,47 @@ async def scrape_instance(
     return parse_engine_metrics(raw.decode("utf-8", "replace"))
 
 
+class ScrapeShare:
+    """Which alive instances are this node's to scrape, remembered between rounds.
+
+    Rendezvous hashing costs a hash per (instance, node): 640,000 for a pool of 10,000
+    instances and 64 nodes, a second of CPU. The owners are kept until the set of live
+    nodes changes, and hashed in a worker thread, so that a round's event loop only
+    looks them up.
+    """
+
+    def __init__(self) -> None:
+        self._nodes: tuple[str, ...] = ()
+        self._owners: dict[str, str] = {}
+
+    async def mine(
+        self, rows: Sequence[InstanceLoad], nodes: Sequence[str], node_id: str
+    ) -> list[InstanceLoad]:
+        """The alive rows whose owner among `nodes` is `node_id`."""
+        key = tuple(sorted(nodes))
+        alive = [row for row in rows if row.alive]
+        if key != self._nodes or len(self._owners) > 2 * len(alive):  # or many removed
+            self._nodes, self._owners = key, {}
+        new = [row.id for row in alive if row.id not in self._owners]
+        if new:  # (one scrape loop per share: no other round changes them meanwhile)
+            owners = await asyncio.to_thread(lambda: [rendezvous_owner(i, key) for i in new])
+            self._owners.update(zip(new, owners, strict=True))
+        return [row for row in alive if self._owners[row.id] == node_id]
+
+
 async def scrape_once(
-    coordinator: Coordinator, session: aiohttp.ClientSession, timeout_s: float
+    coordinator: Coordinator,
+    session: aiohttp.ClientSession,
+    timeout_s: float,
+    share: ScrapeShare | None = None,
 ) -> int:
-    """Scrape this node's share of the alive instances; returns how many stored hints."""
+    """Scrape this node's share of the alive instances; returns how many stored hints.
+
+    At most MAX_CONCURRENT_SCRAPES at a time: a round over thousands of engines at once
+    filled the event loop with their connections (10,000: a stall of up to 1.2 s) and
+    would take as many of the process's open files. A round then takes longer than
+    the interval only when most engines hang to the scrape timeout.
+    """
     snap = await coordinator.snapshot()
     if snap.coordination != "ok":
         return 0  # hints could not be stored anyway
@@ -102,33 +140,33 @@ async def scrape_once(
         return 0
     if coordinator.node_id not in nodes:
         nodes.append(coordinator.node_id)  # our lease may not be written yet
-    mine = [
-        row
-        for row in snap.rows
-        if row.alive and rendezvous_owner(row.id, nodes) == coordinator.node_id
-    ]
-    results = await asyncio.gather(
-        *(scrape_instance(session, row, timeout_s, coordinator.node_id) for row in mine),
-        return_exceptions=True,
-    )
-    stored = 0
-    for row, result in zip(mine, results, strict=True):
-        if isinstance(result, BaseException):
-            if isinstance(result, asyncio.CancelledError):
-                raise result
-            log.debug("scraping %s (%s) failed: %r", row.id, row.url, result)
-            continue
-        if not result:
-            continue  # no engine metric we know
+    mine = await (share or ScrapeShare()).mine(snap.rows, nodes, coordinator.node_id)
+
+    async def scrape_and_store(row: InstanceLoad) -> bool:
         try:
-            # Hints only: a scrape proves /metrics answers, not that the engine serves
-            # requests, so liveness stays with the engine's heartbeats (docs/reliability.md).
-            await coordinator.store_hints(row.id, result)
+            hints = await scrape_instance(session, row, timeout_s, coordinator.node_id)
+        except Exception as exc:  # whatever an engine answers, the round goes on
+            log.debug("scraping %s (%s) failed: %r", row.id, row.url, exc)
+            return False
+        if not hints:
+            return False  # no engine metric we know
+        try:
+            # Hints only: a scrape proves /metrics answers, not that the engine
+            # serves requests, so liveness stays with the engine's heartbeats
+            # (docs/reliability.md).
+            await coordinator.store_hints(row.id, hints)
         except CoordinatorError as exc:  # unregistered meanwhile, or Redis went away
             log.debug("storing hints of %s failed: %s", row.id, exc)
-            continue
-        stored += 1
-    return stored
+            return False
+        return True
+
+    queue = iter(mine)
+
+    async def worker() -> int:
+        return sum([await scrape_and_store(row) for row in queue])
+
+    workers = min(MAX_CONCURRENT_SCRAPES, len(mine))
+    return sum(await asyncio.gather(*(worker() for _ in range(workers))))
 
 
 async def scrape_loop(
@@ -136,9 +174,10 @@ async def scrape_loop(
 ) -> None:
     """Scrape every `interval_s` until cancelled; one failing round never ends the loop."""
     timeout_s = min(interval_s, MAX_SCRAPE_TIMEOUT_S)
+    share = ScrapeShare()
     while True:
         try:
-            await scrape_once(coordinator, session, timeout_s)
+            await scrape_once(coordinator, session, timeout_s, share)
         except (CoordinatorError, RedisError, OSError) as exc:
             log.debug("hint scrape round failed: %s", exc)
         except Exception:

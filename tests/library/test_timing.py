@@ -23,6 +23,7 @@ from coordinator.timing import (
     own_ratio,
     pack,
     pool_prior,
+    resolve_pool,
     screened,
     unpack,
 )
@@ -354,6 +355,30 @@ async def test_only_a_registered_model_gets_its_own_output_length(
         await c._call(
             "merge_timing", [HALF_LIFE, "4", 1000, "", "\x01bad", batch], (c.keys.timing(),)
         )
+
+
+async def test_timing_resolved_aside_yields_to_a_spec_changed_meanwhile(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """sync_timing resolves the pool's timing in a worker thread; an instance whose
+    spec changed while it ran is resolved again on its new spec, not the stale one."""
+    c = await make_coordinator("n1")
+    for iid in ("e1", "e2"):
+        await c.register_instance(InstanceSpec(id=iid, url="http://127.0.0.1:9001"))
+    await c.refresh()
+    records = {"e2": prefill_record(0.8, 100.0, 40)}
+    cache = c._cache
+    inputs = cache.timing_inputs()
+    aside = (inputs, *resolve_pool(cache.timing_policy, inputs, records))
+    configured = InstanceSpec(id="e1", url="http://127.0.0.1:9001", prefill_ms_per_token=2.5)
+    await c.register_instance(configured)  # meanwhile
+    await c.refresh()
+    cache.apply_learned(records, aside)
+    rows = cache.rows
+    assert rows["e1"].timing is not None and rows["e1"].timing.prefill == "configured"
+    assert rows["e1"].spec.prefill_ms_per_token == 2.5
+    assert rows["e2"].timing is not None and rows["e2"].timing.prefill == "learned"
+    assert rows["e2"].spec.prefill_ms_per_token == pytest.approx(0.8)
 
 
 @pytest.mark.parametrize("backend", ["real"], indirect=True)  # fakeredis has no cmsgpack

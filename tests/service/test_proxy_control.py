@@ -10,17 +10,21 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from redis.asyncio import Redis
 
 from coordinator import InstanceSpec
 from coordinator.errors import InvalidArgumentError
 from coordinator_cli.main import build_parser
 from local_fleet.embedded import free_port
+from proxy_node import hints
 from proxy_node.config import NodeConfig, instance_id_for
 from proxy_node.hints import live_node_ids, parse_engine_metrics, rendezvous_owner
 from proxy_node.views import instance_loads_view
@@ -302,6 +306,78 @@ async def test_two_nodes_split_the_scraping_by_rendezvous(harness: Harness) -> N
         # A node's round in flight when the other lease appeared (at most one per
         # node) may still scrape with the old view: the scrapes after those are clean.
         assert set(engine.scraped_by[2:]) == {rendezvous_owner(f"e{i}", node_ids)}, i
+
+
+async def test_a_scrape_round_keeps_a_bounded_number_of_engines_in_flight(
+    harness: Harness,
+) -> None:
+    """150 engines are scraped 64 at a time, not all at once (10,000 at once stalled
+    the event loop for a second), and every one is still scraped and stored."""
+    metrics = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 3\n"
+    in_flight, most, full = [0], [0], asyncio.Event()
+
+    async def scrape(request: web.Request) -> web.Response:
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        if in_flight[0] >= hints.MAX_CONCURRENT_SCRAPES:
+            full.set()
+        # Each holds until as many as a round may run are in flight: with the bound,
+        # exactly that many; without it, all of them.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(full.wait(), 5)
+        in_flight[0] -= 1
+        return web.Response(text=metrics)
+
+    app = web.Application()
+    app.router.add_get("/metrics", scrape)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        coordinator = await harness.coordinator()
+        for i in range(150):
+            await coordinator.register_instance(
+                InstanceSpec(id=f"e{i:03d}", url=f"http://127.0.0.1:{port}")
+            )
+        stored = await hints.scrape_once(coordinator, harness.http, 10.0)
+        assert most[0] == hints.MAX_CONCURRENT_SCRAPES < 150
+        assert stored == 150
+        await coordinator.refresh(live=True)
+        assert {row.engine_running for row in (await coordinator.snapshot()).rows} == {3.0}
+    finally:
+        await runner.cleanup()
+
+
+async def test_scrape_owners_are_hashed_once_per_set_of_nodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hashed: list[str] = []
+
+    def counted(instance_id: str, node_ids: Sequence[str]) -> str:
+        hashed.append(instance_id)
+        return rendezvous_owner(instance_id, node_ids)
+
+    monkeypatch.setattr(hints, "rendezvous_owner", counted)
+    rows = [SimpleNamespace(id=f"i{k}", alive=k != 7) for k in range(100)]
+    share = hints.ScrapeShare()
+
+    async def mine(nodes: list[str], node: str = "a") -> set[str]:
+        return {row.id for row in await share.mine(rows, nodes, node)}  # type: ignore[arg-type]
+
+    first = await mine(["a", "b"])
+    assert len(hashed) == 99 and "i7" not in hashed  # alive ones only
+    expected = {
+        f"i{k}" for k in range(100) if k != 7 and rendezvous_owner(f"i{k}", ["a", "b"]) == "a"
+    }
+    assert first == expected
+    assert await mine(["b", "a"]) == first and len(hashed) == 99  # remembered
+    rows.append(SimpleNamespace(id="new", alive=True))
+    await mine(["a", "b"])
+    assert len(hashed) == 100  # only the new one hashed
+    assert await mine(["a"]) == {row.id for row in rows if row.alive}
+    assert len(hashed) == 200  # the live nodes changed: every owner again
 
 
 def test_engine_metric_parsing() -> None:
