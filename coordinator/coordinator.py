@@ -659,15 +659,28 @@ class Coordinator:
         strategy: str | None = None,
         exclude: Collection[str] = (),
         request: RequestShape | None = None,
+        *,
+        preview: bool = False,
     ) -> Ranking:
-        """Rank a snapshot's eligible rows with a strategy (default: the settings')."""
+        """Rank a snapshot's eligible rows with a strategy (default: the settings').
+
+        A decision's ranking advances the node's tie rotation (and power_of_two's
+        random draws). With `preview` it ranks on copies of them instead: the ranking
+        the node's next decision would make on this snapshot, for views such as
+        /debug/instance_loads that must not steer routing by being read. A preview
+        only reads the node's state, so it may run in a worker thread.
+        """
         name = strategy or self.settings.strategy
         if name not in STRATEGIES:
             raise InvalidArgumentError(f"unknown strategy {name!r}; choose from {STRATEGIES}")
         rows = [r for r in eligible(snap.rows) if r.id not in exclude]
+        rr, rng = self._rr, self._rng
+        if preview:
+            rr, rng = replace(rr), random.Random()
+            rng.setstate(self._rng.getstate())
         # Degraded, the node ranks on its own counts: ties take turns (RoundRobin).
-        self._rr.turns = snap.coordination == "degraded"
-        return rank(name, rows, self.settings.weights, self._rr, self._rng, request)
+        rr.turns = snap.coordination == "degraded"
+        return rank(name, rows, self.settings.weights, rr, rng, request)
 
     # ------------------------------------------------------------------ reservations
 

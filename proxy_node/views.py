@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from coordinator.models import HINT_NAMES
+from coordinator.models import HINT_NAMES, InstanceLoad
 from coordinator.outliers import OutlierState, OutlierView
 from coordinator.settings import Settings
 from coordinator.snapshot import Snapshot
-from coordinator.strategies import Ranking, eligible
+from coordinator.strategies import Ranking, eligible, ranked_ids
 
 
 def selection_exclusions(snapshot: Snapshot, outliers: OutlierView | None) -> frozenset[str]:
@@ -22,6 +22,26 @@ def selection_exclusions(snapshot: Snapshot, outliers: OutlierView | None) -> fr
     return ejected
 
 
+def shown_rows(
+    snapshot: Snapshot, ranking: Ranking, limit: int, ids: Collection[str] = ()
+) -> tuple[list[InstanceLoad], bool]:
+    """The rows a view of at most `limit` instances shows, in the snapshot's order,
+    and whether the limit left any out.
+
+    With `ids`, only those instances; beyond `limit`, the best ranked first, then the
+    unranked (dead, ejected or excluded) by id: what an operator looks at first in a
+    pool too large to show whole.
+    """
+    rows = [row for row in snapshot.rows if row.id in ids] if ids else list(snapshot.rows)
+    if len(rows) <= limit:
+        return rows, False
+    positions = {iid: i for i, iid in enumerate(ranked_ids(ranking.ranked))}
+    unranked = len(positions)
+    best = sorted(rows, key=lambda row: (positions.get(row.id, unranked), row.id))[:limit]
+    kept = {row.id for row in best}
+    return [row for row in rows if row.id in kept], True
+
+
 def instance_loads_view(
     snapshot: Snapshot,
     ranking: Ranking,
@@ -31,20 +51,27 @@ def instance_loads_view(
     outliers: OutlierView | None = None,
     expected_cached: Mapping[str, int] | None = None,
     index_tokens: Mapping[str, int] | None = None,
+    rows: Sequence[InstanceLoad] | None = None,
+    truncated: bool = False,
 ) -> dict[str, Any]:
     """What `/debug/instance_loads` serves: the snapshot and the scores selection used.
 
-    Every instance of the snapshot appears (dead ones too, with `rank` None); `rank` is
-    the position in the strategy's ranking, `least_load_score` the Score it was ranked
-    by (None for a candidate the strategy did not score, e.g. outside power_of_two's
-    sample). `prefix` shows the prefix index: `expected_cached_tokens` of the last
-    request this node routed (what its ranking took off each predicted prefill) and
-    `index_tokens`, what the shared index believes the instance caches. Numbers and
-    names only: never a request payload.
+    `instances` lists `rows` (default: every instance of the snapshot, dead ones too,
+    with `rank` None); `rank` is the position in the strategy's ranking,
+    `least_load_score` the Score it was ranked by (None for a candidate the strategy
+    did not score, e.g. outside power_of_two's sample). `prefix` shows the prefix
+    index: `expected_cached_tokens` of the last request this node routed (what its
+    ranking took off each predicted prefill) and `index_tokens`, what the shared index
+    believes the instance caches. `summary` counts the whole pool, shown or not;
+    `truncated` says a limit left rows out (`shown_rows`). Numbers and names only: never a
+    request payload.
     """
-    positions = {row.id: i for i, row in enumerate(ranking.ranked)}
+    shown = snapshot.rows if rows is None else rows
+    positions = {iid: i for i, iid in enumerate(ranked_ids(ranking.ranked))}
+    now = outliers.now_ms if outliers is not None else snapshot.now_ms
+    ejected = outliers.ejected_ids(now) if outliers is not None else frozenset()
     instances = []
-    for row in snapshot.rows:
+    for row in shown:
         data = row.as_dict()
         fresh = {name: getattr(row, name) for name in HINT_NAMES}
         data["hints"] = {
@@ -59,7 +86,6 @@ def instance_loads_view(
         score = ranking.scores.get(row.id)
         data["least_load_score"] = score.as_dict() if score is not None else None
         data["rank"] = positions.get(row.id)
-        now = outliers.now_ms if outliers is not None else snapshot.now_ms
         state = outliers.state(row.id) if outliers is not None else OutlierState(row.id)
         data["outlier"] = state.as_dict(now)
         data["prefix"] = {
@@ -78,5 +104,12 @@ def instance_loads_view(
         "hint_ttl_ms": settings.hint_ttl_ms,
         "instance_ttl_ms": settings.instance_ttl_ms,
         "prefix_affinity": settings.prefix_affinity,
+        "summary": {
+            "instances": len(snapshot.rows),
+            "alive": sum(1 for row in snapshot.rows if row.alive),
+            "ejected": sum(1 for row in snapshot.rows if row.alive and row.id in ejected),
+            "inflight": sum(row.inflight or 0 for row in snapshot.rows),
+        },
+        "truncated": truncated,
         "instances": instances,
     }

@@ -22,6 +22,10 @@
   // ?interval_ms= lets a test (or a very busy operator) change the refresh rate.
   const INTERVAL_MS = clamp(Number(params.get("interval_ms")) || 1000, 100, 60000);
   const CAPACITY = Math.min(3600, Math.ceil(WINDOW_MS / INTERVAL_MS) + 2);
+  // ?limit= shows at most that many instances, the best ranked (the node's default:
+  // 1000); the counts above the list always cover the whole pool.
+  const LIMIT = Math.floor(clamp(Number(params.get("limit")) || 0, 0, 100000));
+  const LOADS_URL = LIMIT > 0 ? `debug/instance_loads?limit=${LIMIT}` : "debug/instance_loads";
 
   const $ = (id) => document.getElementById(id);
   const el = {
@@ -151,9 +155,18 @@
       if (isEjected(inst)) ejected++;
       inflightSum += inst.inflight || 0;
     }
+    // A node's summary counts the whole pool; an older node's view is the whole pool.
+    const pool = doc.summary || {
+      instances: instances.length,
+      alive,
+      ejected,
+      inflight: inflightSum,
+    };
     el.instanceCount.textContent =
-      `${alive} alive / ${instances.length}` + (ejected ? `, ${ejected} ejected` : "");
-    el.inflightTotal.textContent = String(inflightSum);
+      `${pool.alive} alive / ${pool.instances}` +
+      (pool.ejected ? `, ${pool.ejected} ejected` : "") +
+      (doc.truncated ? ` (the best ${instances.length} shown)` : "");
+    el.inflightTotal.textContent = String(pool.inflight);
     el.noInstances.hidden = instances.length > 0;
 
     let previous = el.instances.querySelector(".row.head");
@@ -353,7 +366,7 @@
     polling = true;
     try {
       const [loads, reservations] = await Promise.all([
-        getJSON("debug/instance_loads"),
+        getJSON(LOADS_URL),
         getJSON(`debug/reservations?limit=${RESERVATION_LIMIT}`),
       ]);
       if (paused) return; // a pause pressed while fetching discards the answer

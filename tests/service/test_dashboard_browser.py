@@ -406,7 +406,7 @@ async def test_ui_assets_are_served_self_contained() -> None:
     refs = re.findall(r'(?:src|href)="([^"]*)"', html)
     assert sorted(refs) == ["data:,", "ui/dashboard.css", "ui/dashboard.js"]
     js = bodies["/ui/dashboard.js"]
-    fetched = set(re.findall(r'getJSON\(\s*[`"]([^`"?]+)', js))
+    fetched = set(re.findall(r'[`"](debug/[a-z_]+)', js))
     assert fetched == {"debug/instance_loads", "debug/reservations"}  # relative, same origin
     for hook in ('id="status"', 'id="pause"', 'id="instances"', 'id="reservations"'):
         assert hook in html
@@ -559,6 +559,14 @@ async def test_dashboard_in_a_browser(
         assert layout == {"scrolls": True, "fits": True, "overflowX": False}
         assert max(row["rowHeight"] for row in await browser.evaluate(DOM_LOADS)) <= 24
         await browser.screenshot(ARTIFACTS / "dashboard_64.png")
+
+        # Fewer rows than the pool has (?limit=): the best ranked shown, counts whole.
+        await browser.navigate(f"{node.control_url}/ui?interval_ms={INTERVAL_MS}&limit=8")
+        await wait_for(lambda: _bar_count(browser, 8), timeout_s=10, what="8 instance bars")
+        count = await browser.evaluate("document.getElementById('instance-count').textContent")
+        assert re.fullmatch(r"\d+ alive / 64 \(the best 8 shown\)", count), count
+        shown = {row["id"] for row in await browser.evaluate(DOM_LOADS)}
+        assert "engine-gone" not in shown and len(shown) == 8  # dead ones rank last
         assert browser.page_errors() == []
     finally:
         beats.cancel()

@@ -47,7 +47,7 @@ async def ejected(harness: Harness, node: NodeServer, instance: str) -> bool:
 
 
 async def in_redis_ejected(node: NodeServer, instance: str) -> bool:
-    # Not through /debug/instance_loads: ranking there advances the tie rotation.
+    # What Redis holds, not this node's view of it (which /debug/instance_loads shows).
     return instance in (await node.coordinator.read_outliers()).ejected_ids()
 
 

@@ -233,6 +233,54 @@ async def test_debug_instance_loads_is_the_snapshot_selection_uses(harness: Harn
     await wait_for(lambda: settled(coordinator), what="counters back to 0")
 
 
+async def test_debug_instance_loads_shows_the_best_first_within_a_limit(harness: Harness) -> None:
+    node = await harness.node()
+    base = node.control_url + "/v1/instances"
+    for i in range(5):  # e0 least busy ... e4 busiest, by its engine's running requests
+        assert (await call(harness, "POST", base, {"id": f"e{i}", "url": "http://127.0.0.1:9"}))[
+            0
+        ] == 201
+        assert (await call(harness, "POST", f"{base}/e{i}/heartbeat", {"engine_running": 10 * i}))[
+            0
+        ] == 200
+    url = node.control_url + "/debug/instance_loads"
+    status, whole = await call(harness, "GET", url)
+    assert status == 200 and whole["truncated"] is False
+    assert [row["rank"] for row in whole["instances"]] == [0, 1, 2, 3, 4]
+    summary = {"instances": 5, "alive": 5, "ejected": 0, "inflight": 0}
+    assert whole["summary"] == summary
+    status, best = await call(harness, "GET", url + "?limit=2")
+    assert status == 200 and best["truncated"] is True and best["summary"] == summary
+    assert [row["id"] for row in best["instances"]] == ["e0", "e1"]
+    ranked = [(r["id"], r["rank"], r["least_load_score"]) for r in whole["instances"]]
+    assert [(r["id"], r["rank"], r["least_load_score"]) for r in best["instances"]] == ranked[:2]
+    status, some = await call(harness, "GET", url + "?instance=e4&instance=e2&instance=nope")
+    assert status == 200 and some["truncated"] is False
+    assert [row["id"] for row in some["instances"]] == ["e2", "e4"]
+    for bad in ("0", "x", "100001"):
+        status, doc = await call(harness, "GET", url + "?limit=" + bad)
+        assert status == 400 and doc["error"]["code"] == "invalid_limit", doc
+
+
+async def test_reading_instance_loads_never_steers_routing(harness: Harness) -> None:
+    """The view previews the next decision's ranking: reading it advances no rotation."""
+    node = await harness.node()
+    coordinator = node.coordinator
+    for i in range(4):
+        await coordinator.register_instance(InstanceSpec(id=f"e{i}", url="http://127.0.0.1:9"))
+    url = node.control_url + "/debug/instance_loads?strategy=round_robin"
+    choices = []
+    for _ in range(6):
+        views = [(await call(harness, "GET", url))[1] for _ in range(3)]
+        previews = {next(r["id"] for r in v["instances"] if r["rank"] == 0) for v in views}
+        snap = await coordinator.snapshot()
+        choice = coordinator.rank(snap, "round_robin").choice
+        assert choice is not None and previews == {choice.id}
+        choices.append(choice.id)
+    first = int(choices[0][1:])
+    assert choices == [f"e{(first + k) % 4}" for k in range(6)]  # one turn per decision
+
+
 async def test_debug_reservations_lists_numbers_not_payloads(harness: Harness) -> None:
     engine = await harness.engine(gate_after=1)
     node = await harness.node()
