@@ -28,6 +28,7 @@ import math
 import time
 import uuid
 from contextlib import suppress
+from functools import partial
 from typing import NoReturn
 
 import aiohttp
@@ -48,6 +49,7 @@ from proxy_node.usage import OutputCounter
 
 log = logging.getLogger(__name__)
 
+THREAD_PARSE_BYTES = 256 * 1024  # a larger body is parsed in a worker thread
 DISCONNECT_POLL_S = 0.2  # how soon a vanished client frees its reservation when idle
 ERROR_DETAIL_BYTES = 512  # of an engine's error body, quoted in the error's message
 MAX_ATTEMPTS = 2  # instances tried for one request when nothing reached the client
@@ -228,13 +230,18 @@ class Exchange:
             message = f"unreadable request body: {_cause(exc)}"
             return self._error(400, message, "invalid_body", closing=True)
         self.body = bytes(data)
+        parse = partial(
+            parse_completion,
+            self.body,
+            request.headers.get("X-Prompt-Tokens"),
+            self.coordinator.expected_output_tokens(None),
+            self.coordinator.prefix.hashes,
+        )
         try:
-            parsed = parse_completion(
-                self.body,
-                request.headers.get("X-Prompt-Tokens"),
-                self.coordinator.expected_output_tokens(None),
-                self.coordinator.prefix.hashes,
-            )
+            # Decoding and hashing take about 10 ms per MB of JSON (a long chat's many
+            # messages): a large body's, in a worker thread, so that requests already
+            # in flight go on meanwhile.
+            parsed = await asyncio.to_thread(parse) if len(data) > THREAD_PARSE_BYTES else parse()
         except RequestRejectedError as exc:
             return self._error(exc.status, exc.message, exc.code)
         self.prompt_tokens = parsed.prompt_tokens

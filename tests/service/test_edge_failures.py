@@ -19,6 +19,7 @@ from rich.console import Console
 
 from coordinator import InstanceSpec
 from coordinator.outliers import OutlierPolicy
+from proxy_node.forwarding import THREAD_PARSE_BYTES
 from proxy_node.inspect import read_pool, render
 from tests.fake_engine import FakeEngine, Harness, NodeServer, settled
 from tests.helpers import live_reservations, wait_for
@@ -330,17 +331,44 @@ async def test_output_caps_the_node_reads_are_validated(harness: Harness, raw: b
     assert not await live_reservations(node.coordinator)
 
 
-async def test_the_rest_of_the_body_passes_unchanged(harness: Harness) -> None:
+# A body above THREAD_PARSE_BYTES is parsed in a worker thread: the same answers.
+LARGE = "x" * (THREAD_PARSE_BYTES + 1)
+
+
+@pytest.mark.parametrize("content", ["hi", LARGE], ids=["small", "large"])
+async def test_the_rest_of_the_body_passes_unchanged(harness: Harness, content: str) -> None:
     engine = await harness.engine()
     node = await harness.node()
     await register(node, engine)
     raw = (
-        b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": null, '
-        b'"temperature": NaN, "vendor_knob": {"deep": [1, 2.50, "x"]}, "n": 1}'
+        b'{"messages": [{"role": "user", "content": "' + content.encode() + b'"}], '
+        b'"max_tokens": null, "temperature": NaN, "vendor_knob": {"deep": [1, 2.50, "x"]}, '
+        b'"n": 1}'
     )
     async with await post(harness, node, raw) as resp:
         assert resp.status == 200
+        predicted = int(resp.headers["X-Predicted-TTFT-Ms"])
     assert engine.bodies == [raw]
+    if content == LARGE:  # its prompt was counted: 65,536 tokens to prefill
+        assert predicted > 1000
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (b'{"messages": [{"content": "' + LARGE.encode() + b'"}], ', "invalid_json"),
+        (b'{"max_tokens": 0, "prompt": "' + LARGE.encode() + b'"}', "invalid_max_tokens"),
+    ],
+    ids=["malformed", "bad_max_tokens"],
+)
+async def test_a_large_unusable_body_is_400_too(harness: Harness, raw: bytes, code: str) -> None:
+    engine = await harness.engine()
+    node = await harness.node()
+    await register(node, engine)
+    async with await post(harness, node, raw) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["code"] == code
+    assert engine.requests == 0
 
 
 # ---------------------------------------------------------------------- request ids
