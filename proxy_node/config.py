@@ -18,6 +18,7 @@ from coordinator.outliers import OutlierPolicy
 from coordinator.settings import STRATEGIES, Settings
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+_OUTLIERS = OutlierPolicy()  # the passive-health defaults
 
 # NodeConfig field -> environment variables, first one set wins. The COORD_* knobs of
 # coordinator.settings.Settings are read by Settings.from_env() on top of these.
@@ -124,16 +125,19 @@ class NodeConfig:
     max_connections: int = 0  # open client connections per plane (0 = half the open-file limit)
     drain_timeout_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
     drain_delay_s: float = 0.0  # on SIGTERM, keep serving (but not ready) this long first
-    eject_consecutive_failures: int = 5  # failures in a row that eject an instance (0 = off)
-    eject_failure_window_s: float = (
-        10.0  # failures further apart do not add up (nginx fail_timeout)
-    )
-    eject_base_s: float = 10.0  # first ejection; doubles with each repeat
-    eject_max_s: float = 300.0  # longest ejection (Envoy max_ejection_time)
-    eject_max_percent: float = 50.0  # never eject more than this share of the alive instances
-    eject_failure_percent: float = 20.0  # this share of failures among a node's last
-    # eject_failure_volume exchanges with an instance (within a minute) ejects it (0 = off)
-    eject_failure_volume: int = 20
+    # Passive health (coordinator/outliers.py OutlierPolicy, whose defaults these are):
+    # failures in a row that eject an instance (0 = off), within a window (nginx
+    # fail_timeout); the first ejection, doubling with each repeat up to the longest
+    # (Envoy max_ejection_time); never more than this share of the alive instances
+    # ejected; and this share of failures among a node's last `eject_failure_volume`
+    # exchanges with an instance (within a minute) ejects it (0 = off).
+    eject_consecutive_failures: int = _OUTLIERS.consecutive_failures
+    eject_failure_window_s: float = _OUTLIERS.failure_window_ms / 1000
+    eject_base_s: float = _OUTLIERS.base_ejection_ms / 1000
+    eject_max_s: float = _OUTLIERS.max_ejection_ms / 1000
+    eject_max_percent: float = _OUTLIERS.max_ejection_percent
+    eject_failure_percent: float = _OUTLIERS.failure_percent
+    eject_failure_volume: int = _OUTLIERS.failure_volume
     insecure_open_control_plane: bool = False  # allow a tokenless control plane off loopback
     settings: Settings = field(default_factory=Settings)  # coordinator knobs (COORD_*)
 

@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 
 from coordinator import InstanceSpec
 from coordinator.errors import InvalidArgumentError
+from coordinator.outliers import OutlierPolicy
 from coordinator_cli.main import build_parser
 from local_fleet.embedded import free_port
 from proxy_node import hints
@@ -455,6 +456,11 @@ def test_rendezvous_gives_each_instance_one_owner_and_moves_little() -> None:
     after = {i: rendezvous_owner(i, ["node-a", "node-c"]) for i in instances}
     moved = [i for i in instances if after[i] != owners[i]]
     assert moved and all(owners[i] == "node-b" for i in moved)
+
+
+def test_the_node_defaults_are_the_library_policy() -> None:
+    """One place holds the passive-health defaults: the node's flags take them."""
+    assert NodeConfig().outlier_policy == OutlierPolicy()
 
 
 def test_config_from_env_and_validation() -> None:
