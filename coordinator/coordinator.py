@@ -99,6 +99,7 @@ UNAVAILABLE = (
     OSError,
 )
 MAX_TOKENS = 10_000_000
+MAX_CORDON_REASON = 200  # bytes of an operator's cordon reason (lua/record_outcome.lua)
 NOSCRIPT_RETRIES = 3  # extra loads when scripts are flushed again mid-call
 REDIRECT_RETRIES = 2  # read_state sent again after MOVED or ASK (Redis Cluster)
 SPEC_READ_STEP = 250  # instances per read_specs call: about 2 ms at 10k instances
@@ -1607,13 +1608,19 @@ class Coordinator:
         """Count one exchange with an instance, fleet-wide; may eject it (record_outcome.lua).
         `rate`: a failure that ejects whatever the count (this node's share of failed
         exchanges with the instance reached the policy's: outliers.FailureShares)."""
+        outcome = "ok" if ok else ("rate" if rate else "fail")
+        return await self._record_outcome(instance_id, outcome, policy, reason)
+
+    async def _record_outcome(
+        self, instance_id: str, outcome: str, policy: OutlierPolicy, reason: str
+    ) -> Outcome:
         if not isinstance(instance_id, str) or not ID_RE.match(instance_id):
             raise InvalidArgumentError(f"instance id {instance_id!r} is not a valid id")
         reply = await self._call(
             "record_outcome",
             [
                 instance_id,
-                "ok" if ok else ("rate" if rate else "fail"),
+                outcome,
                 policy.consecutive_failures or CONSECUTIVE_OFF,
                 policy.failure_window_ms,
                 policy.base_ejection_ms,
@@ -1625,6 +1632,22 @@ class Coordinator:
             (self.keys.outliers(), self.keys.ejected()),
         )
         return Outcome(str(reply[0]), int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]))
+
+    async def cordon(self, instance_id: str, reason: str = "", *, lift: bool = False) -> Outcome:
+        """Take an instance out of rotation fleet-wide (an operator's maintenance drain):
+        no node sends it new requests, the ones in flight finish; `lift` puts it back.
+
+        A cordon holds until lifted, or until the instance registers again under a new
+        epoch (a restarted engine comes back in rotation). Raises UnknownInstanceError
+        for an instance that is not registered."""
+        if not isinstance(reason, str) or len(reason.encode()) > MAX_CORDON_REASON:
+            raise InvalidArgumentError(f"reason must be text of at most {MAX_CORDON_REASON} bytes")
+        # The script checks a policy's arguments; a cordon ignores them.
+        action = "uncordon" if lift else "cordon"
+        outcome = await self._record_outcome(instance_id, action, OutlierPolicy(), reason)
+        if outcome.state == "unknown":
+            raise UnknownInstanceError(f"instance {instance_id!r} is not registered")
+        return outcome
 
     def _alive_count(self) -> int:
         """Instances alive in this node's view: the ejection cap's denominator."""

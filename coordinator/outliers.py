@@ -15,7 +15,16 @@ from typing import Any
 from coordinator.errors import InvalidArgumentError
 from coordinator.packed import as_text
 
-OUTCOME_STATES = ("ok", "counted", "ejected", "already", "capped", "unknown")
+OUTCOME_STATES = (
+    "ok",
+    "counted",
+    "ejected",
+    "already",
+    "capped",
+    "cordoned",
+    "uncordoned",
+    "unknown",
+)
 RATE_WINDOW_MS = 60_000  # a node's exchanges older than this leave its failure shares
 CONSECUTIVE_OFF = 1_000_000  # record_outcome's threshold when failures in a row never eject
 
@@ -134,10 +143,16 @@ class OutlierState:
     ejected_until_ms: int = 0
     ejections: int = 0
     reason: str = ""
+    cordon: str | None = None  # an operator's reason while the instance is cordoned
 
     def ejected(self, now_ms: int) -> bool:
         """Whether the instance is ejected at `now_ms` (Redis time)."""
         return self.ejected_until_ms > now_ms
+
+    @property
+    def cordoned(self) -> bool:
+        """Whether an operator took the instance out of rotation (lua/record_outcome.lua)."""
+        return self.cordon is not None
 
     def as_dict(self, now_ms: int) -> dict[str, Any]:
         """JSON-ready view at `now_ms` (what debug views and inspect show)."""
@@ -148,6 +163,8 @@ class OutlierState:
             "consecutive_failures": self.consecutive_failures,
             "ejections": self.ejections,
             "last_failure_reason": self.reason or None,
+            "cordoned": self.cordoned,
+            "cordon_reason": self.cordon or None,
         }
 
 
@@ -163,6 +180,10 @@ class OutlierView:
         at = self.now_ms if now_ms is None else now_ms
         return frozenset(i for i, s in self.states.items() if s.ejected(at))
 
+    def cordoned_ids(self) -> frozenset[str]:
+        """Ids an operator cordoned: no node sends them new requests."""
+        return frozenset(i for i, s in self.states.items() if s.cordoned)
+
     def state(self, instance_id: str) -> OutlierState:
         """The record of one instance (a clean one when it has none)."""
         return self.states.get(instance_id) or OutlierState(instance_id)
@@ -174,7 +195,9 @@ FIELDS = {
     "until_ms": "ejected_until_ms",
     "ejections": "ejections",
     "reason": "reason",
+    "cordon": "cordon",
 }
+TEXT_FIELDS = frozenset({"reason", "cordon"})
 
 
 def parse_outliers(reply: list[Any]) -> OutlierView:
@@ -188,7 +211,7 @@ def parse_outliers(reply: list[Any]) -> OutlierView:
         if not sep or attr is None:
             continue
         raw = as_text(flat[i + 1])
-        if attr == "reason":
+        if attr in TEXT_FIELDS:
             values.setdefault(iid, {})[attr] = raw
             continue
         try:

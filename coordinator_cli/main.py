@@ -23,6 +23,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "cluster": ("local_fleet.cluster", "Run Redis, proxy nodes and mock engines locally."),
     "mock-engine": ("local_fleet.mock_engine", "Run a mock OpenAI-compatible inference engine."),
     "inspect": ("proxy_node.inspect", "Show a pool's instances, leases and reservations."),
+    "cordon": (
+        "proxy_node.cordon",
+        "Take an engine instance out of rotation (and wait for it to drain), or put it back.",
+    ),
 }
 
 

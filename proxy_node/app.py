@@ -178,9 +178,7 @@ async def _hint_scraper_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _passive_health_ctx(app: web.Application) -> AsyncIterator[None]:
     health = PassiveHealth(app[COORDINATOR], app[CONFIG].outlier_policy, app[METRICS])
     app[HEALTH] = health
-    if not health.policy.enabled:
-        yield
-        return
+    # Also with ejection off: operators' cordons come the same way.
     task = asyncio.create_task(health.refresh_loop(), name="passive-health")
     yield
     await stop_task(task)
@@ -198,6 +196,7 @@ async def healthz(request: web.Request) -> web.Response:
     coordinator = service[COORDINATOR]
     alive = await coordinator.alive_ids()
     ejected = service[HEALTH].ejected_ids()
+    cordoned = service[HEALTH].cordoned_ids()
     draining = service[STATE].draining
     return web.json_response(
         {
@@ -210,6 +209,7 @@ async def healthz(request: web.Request) -> web.Response:
             # alive: the engine answered within the instance TTL (docs/reliability.md)
             "alive_instances": len(alive),
             "ejected_instances": len(alive & ejected),
+            "cordoned_instances": len(alive & cordoned),
         },
         status=503 if draining else 200,
     )
@@ -235,8 +235,8 @@ def render_metrics(
 ) -> bytes:
     """The /metrics text for this snapshot (off the event loop: it only reads `snap`)."""
     # Scored directly (not through rank()): a scrape must not advance the rotation.
-    ejected = outliers.ejected_ids()
-    candidates = [row for row in eligible(snap.rows) if row.id not in ejected]
+    skipped = outliers.ejected_ids() | outliers.cordoned_ids()
+    candidates = [row for row in eligible(snap.rows) if row.id not in skipped]
     node_metrics.observe_snapshot(snap, score_rows(candidates, weights), outliers)
     return node_metrics.render()
 

@@ -71,6 +71,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/instances", list_instances)
     app.router.add_post("/v1/instances/{instance_id}/heartbeat", heartbeat)
     app.router.add_delete("/v1/instances/{instance_id}", unregister)
+    app.router.add_post("/v1/instances/{instance_id}/cordon", cordon)
+    app.router.add_delete("/v1/instances/{instance_id}/cordon", cordon)
     app.router.add_get("/debug/instance_loads", instance_loads)
     app.router.add_get("/debug/reservations", reservations)
 
@@ -253,17 +255,58 @@ async def unregister(request: web.Request) -> web.Response:
     return web.json_response({"instance_id": instance_id, "voided_reservations": voided})
 
 
+async def cordon(request: web.Request) -> web.Response:
+    """POST /v1/instances/{id}/cordon {"reason": ...}: no node sends the instance new
+    requests (the ones in flight finish); DELETE lifts it. Answers the instance's
+    requests in flight as this node's view has them, so a drain can poll until 0."""
+    instance_id = request.match_info["instance_id"]
+    lift = request.method == "DELETE"
+    try:
+        body = await _json_body(request, optional=True)
+    except _Reject as exc:
+        return exc.response
+    reason = body.get("reason", "") if isinstance(body, dict) else "" if body is None else None
+    if not isinstance(reason, str):
+        return json_error(400, 'the body must be {"reason": "<text>"} or empty', "invalid_body")
+    if lift:
+        reason = ""
+    if not ID_RE.fullmatch(instance_id):
+        return json_error(404, f"unknown instance {instance_id!r}", "unknown_instance")
+    coordinator = _coordinator(request)
+    try:
+        await request.app[SERVICE_APP][HEALTH].cordon(instance_id, reason, lift=lift)
+        row = next((r for r in (await coordinator.snapshot()).rows if r.id == instance_id), None)
+    except UnknownInstanceError:
+        return json_error(404, f"unknown instance {instance_id!r}", "unknown_instance")
+    except InvalidArgumentError as exc:
+        return json_error(400, str(exc), "invalid_request")
+    except CoordinationUnavailableError as exc:
+        return _unavailable(exc)
+    return web.json_response(
+        {
+            "instance_id": instance_id,
+            "cordoned": not lift,
+            "reason": None if lift else reason,
+            "inflight": row.inflight if row is not None else 0,
+        }
+    )
+
+
 async def list_instances(request: web.Request) -> web.Response:
     """GET /v1/instances[?include_dead=true]: registered instances and their pressure."""
     include_dead = request.query.get("include_dead", "false").lower() in ("1", "true", "yes")
     coordinator = _coordinator(request)
     rows = await coordinator.list_instances(include_dead=include_dead)
-    ejected = request.app[SERVICE_APP][HEALTH].ejected_ids()
+    health = request.app[SERVICE_APP][HEALTH]
+    ejected, cordoned = health.ejected_ids(), health.cordoned_ids()
     return web.json_response(
         {
             "pool": coordinator.pool,
             "coordination": coordinator.coordination,
-            "instances": [{**row.as_dict(), "ejected": row.id in ejected} for row in rows],
+            "instances": [
+                {**row.as_dict(), "ejected": row.id in ejected, "cordoned": row.id in cordoned}
+                for row in rows
+            ],
         }
     )
 

@@ -260,11 +260,14 @@ class Exchange:
         """Reserve an instance: not one that failed this request, nor an ejected one.
 
         Ejected instances are used only when nothing else is alive (Envoy's panic mode:
-        an ejected instance beats none). Answers 503 (none alive besides the failed),
-        429 (pool full) or 400; after a failure, that failure's 502/504.
+        an ejected instance beats none); cordoned ones never. Answers 503 (none alive
+        besides the failed), 429 (pool full) or 400; after a failure, that failure's
+        502/504.
         """
         started = time.perf_counter()
         ejected = self.health.ejected_ids()
+        # Cordoned instances never (an operator's drain must end); ejected ones last.
+        excluded = excluded | self.health.cordoned_ids()
         prefix = self.coordinator.prefix
         if self.cached_tokens is None:
             self.cached_tokens = await prefix.cached_tokens(self.prefix_hashes)

@@ -46,6 +46,20 @@ class PassiveHealth:
             return frozenset()
         return self.view.ejected_ids(self._now_ms())
 
+    def cordoned_ids(self) -> frozenset[str]:
+        """Instances an operator cordoned, as far as this node knows (whatever the
+        policy: a cordon is no failure)."""
+        return self.view.cordoned_ids()
+
+    async def cordon(self, instance_id: str, reason: str = "", *, lift: bool = False) -> None:
+        """Cordon (or with `lift`, put back) an instance fleet-wide; this node's view
+        takes it at once, the others' within REFRESH_S (Coordinator.cordon raises)."""
+        await self.coordinator.cordon(instance_id, reason, lift=lift)
+        states = dict(self.view.states)
+        old = states.get(instance_id) or OutlierState(instance_id)
+        states[instance_id] = replace(old, cordon=None if lift else reason)
+        self.view = OutlierView(self._now_ms(), states)
+
     def failing(self, instance_id: str) -> bool:
         """Whether the instance has failures on record (so a success must be reported)."""
         state = self.view.states.get(instance_id)

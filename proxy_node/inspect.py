@@ -332,6 +332,7 @@ def render(state: PoolState, redis_url: str, width: int | None = None) -> Group:
     instances = loads["instances"]
     alive = sum(1 for row in instances if row["alive"])
     ejected = sum(1 for row in instances if (row.get("outlier") or {}).get("ejected"))
+    cordoned = sum(1 for row in instances if (row.get("outlier") or {}).get("cordoned"))
     header = Text.assemble(
         ("pool ", "dim"),
         (str(loads["pool"]), "bold"),
@@ -344,7 +345,9 @@ def render(state: PoolState, redis_url: str, width: int | None = None) -> Group:
         ("  version ", "dim"),
         str(loads["version"]),
         ("  instances ", "dim"),
-        f"{alive} alive / {len(instances)}" + (f", {ejected} ejected" if ejected else ""),
+        f"{alive} alive / {len(instances)}"
+        + (f", {ejected} ejected" if ejected else "")
+        + (f", {cordoned} cordoned" if cordoned else ""),
         ("  redis time ", "dim"),
         str(now_ms),
     )
@@ -393,6 +396,8 @@ def _state_cell(row: dict[str, Any]) -> Text:
     outlier = row.get("outlier") or {}
     if not row["alive"]:
         return Text("stale", "red")
+    if outlier.get("cordoned"):
+        return Text("cordoned", "magenta")
     if outlier.get("ejected"):
         return Text(f"ejected({math.ceil(outlier['ejected_for_ms'] / 1000)}s)", "yellow")
     return Text("alive", "green")

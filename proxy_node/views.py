@@ -13,12 +13,14 @@ from coordinator.strategies import Ranking, eligible, ranked_ids
 
 
 def selection_exclusions(snapshot: Snapshot, outliers: OutlierView | None) -> frozenset[str]:
-    """The ejected instances selection skips: none when they are all that is alive."""
+    """The instances selection skips: the cordoned, and the ejected unless they are all
+    that is left alive."""
     if outliers is None:
         return frozenset()
-    ejected = outliers.ejected_ids(snapshot.now_ms or None)
-    if not ejected or all(row.id in ejected for row in eligible(snapshot.rows)):
-        return frozenset()
+    cordoned = outliers.cordoned_ids()
+    ejected = outliers.ejected_ids(snapshot.now_ms or None) | cordoned
+    if all(row.id in ejected for row in eligible(snapshot.rows)):
+        return cordoned
     return ejected
 
 

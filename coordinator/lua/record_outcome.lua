@@ -6,15 +6,18 @@
 -- apart than the window do not add up (nginx max_fails within fail_timeout).
 -- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
 -- KEYS[17] = {pool}:outliers  hash "<id>:fails", "<id>:last_fail_ms", "<id>:until_ms",
---   "<id>:ejections", "<id>:reason", "<id>:epoch" (coordinator/keys.py PoolKeys.outliers);
---   a record of an older epoch is void: a restarted engine starts clean
+--   "<id>:ejections", "<id>:reason", "<id>:cordon" (an operator's reason, set while the
+--   instance is cordoned), "<id>:epoch" (coordinator/keys.py PoolKeys.outliers); a
+--   record of an older epoch is void: a restarted engine starts clean, uncordoned
 -- KEYS[18] = {pool}:ejected  zset instance id -> ejected until (Redis ms): the ejected
 --   share is one ZCARD, so an ejection never scans the pool (at 10,000 instances the
 --   scan took 24 ms, and ran again on every failure once the cap was reached)
 -- ARGV[1] = instance id
 -- ARGV[2] = outcome: 'ok', 'fail', or 'rate': a failure that ejects whatever the count
 --   (the calling node's share of failed exchanges with the instance reached its
---   threshold: coordinator/outliers.py FailureShares), unless the share cap says no
+--   threshold: coordinator/outliers.py FailureShares), unless the share cap says no;
+--   or an operator's 'cordon' (no node sends the instance new requests until
+--   'uncordon'; requests in flight finish), which neither counts nor caps
 -- ARGV[3] = consecutive failures that eject (integer >= 1)
 -- ARGV[4] = failure window in ms (integer >= 1)
 -- ARGV[5] = first ejection in ms (integer >= 1)
@@ -23,16 +26,18 @@
 -- ARGV[7] = most instances ejected at once, in percent of the alive ones (0..100)
 -- ARGV[8] = alive instances as the calling node's view counts them (integer >= 0; the
 --   share's denominator, this instance included at least)
--- ARGV[9] = reason of a failure (short text for operators, e.g. 'status_503')
+-- ARGV[9] = reason of a failure (short text for operators, e.g. 'status_503') or of a
+--   cordon (at most 200 bytes kept)
 -- returns {state, consecutive_failures, ejected_until_ms, ejections, now_ms}
 --   state: 'ok' | 'counted' (below the threshold) | 'ejected' (by this call)
 --   | 'already' (ejected before; nothing changed) | 'capped' (at the threshold, but the
---   share is used up) | 'unknown' (no such instance)
+--   share is used up) | 'cordoned' | 'uncordoned' | 'unknown' (no such instance)
 local O = KEYS[17]
 local id = ARGV[1]
 if not valid_id(id) then return fail('bad_arg', 'instance id') end
 local outcome = ARGV[2]
-if outcome ~= 'ok' and outcome ~= 'fail' and outcome ~= 'rate' then
+if outcome ~= 'ok' and outcome ~= 'fail' and outcome ~= 'rate' and outcome ~= 'cordon'
+    and outcome ~= 'uncordon' then
   return fail('bad_arg', 'outcome')
 end
 local threshold = int_arg(ARGV[3], 1000000)
@@ -52,18 +57,33 @@ local now = now_ms()
 local epoch = redis.call('HGET', K_EPOCH, id)
 if not epoch then return {'unknown', 0, 0, 0, now} end
 local function field(name) return tonumber(redis.call('HGET', O, id .. ':' .. name) or '0') end
--- Forget the instance's failures and ejections (and, with `epoch_too`, its record).
-local function clear(epoch_too)
+-- Forget the instance's failures and ejections (and, with `record_too`, its record,
+-- unless it is cordoned).
+local function clear(record_too)
   redis.call('HDEL', O, id .. ':fails', id .. ':last_fail_ms', id .. ':until_ms',
     id .. ':ejections', id .. ':reason')
-  if epoch_too then redis.call('HDEL', O, id .. ':epoch') end
+  if record_too and redis.call('HEXISTS', O, id .. ':cordon') == 0 then
+    redis.call('HDEL', O, id .. ':epoch')
+  end
   redis.call('ZREM', KEYS[18], id)
 end
 if redis.call('HGET', O, id .. ':epoch') ~= epoch then
   clear(false)
+  redis.call('HDEL', O, id .. ':cordon')
   redis.call('HSET', O, id .. ':epoch', epoch)
 end
 local until_ms, ejections, fails = field('until_ms'), field('ejections'), field('fails')
+if outcome == 'cordon' then
+  redis.call('HSET', O, id .. ':cordon', string.sub(ARGV[9] or '', 1, 200))
+  return {'cordoned', fails, until_ms, ejections, now}
+end
+if outcome == 'uncordon' then
+  redis.call('HDEL', O, id .. ':cordon')
+  if redis.call('HEXISTS', O, id .. ':last_fail_ms') == 0 and until_ms == 0 then
+    redis.call('HDEL', O, id .. ':epoch')  -- nothing else on record: the record goes
+  end
+  return {'uncordoned', fails, until_ms, ejections, now}
+end
 if until_ms > now then return {'already', fails, until_ms, ejections, now} end
 if outcome == 'ok' then
   if until_ms == 0 or now - until_ms > longest then

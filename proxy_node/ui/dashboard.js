@@ -230,6 +230,7 @@
 
   function stateText(inst) {
     if (!inst.alive) return "stale";
+    if (inst.outlier && inst.outlier.cordoned) return "cordoned"; // by an operator
     if (isEjected(inst)) return `ejected ${Math.ceil(inst.outlier.ejected_for_ms / 1000)}s`;
     return "alive";
   }

@@ -9,6 +9,7 @@ import asyncio
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -144,3 +145,61 @@ async def test_the_sidecar_registers_heartbeats_and_re_registers_after_a_restart
     finally:
         process.terminate()
         await process.wait()
+
+
+def pre_stop() -> str:
+    """The vLLM container's preStop hook from the same pod example (python3 -c)."""
+    blocks = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.S)
+    (pod,) = [yaml.safe_load(b) for b in blocks if "coordinator-registration" in b]
+    (vllm,) = pod["spec"]["containers"]
+    command = vllm["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["python3", "-c"]
+    return str(command[2])
+
+
+async def test_the_pre_stop_hook_drains_the_engine_while_the_sidecar_heartbeats(
+    harness: Harness, engine: Engine
+) -> None:
+    """The hook cordons the engine and returns once its requests in flight are done;
+    meanwhile the sidecar's heartbeats keep it registered, counted and out of
+    rotation (leaving with DELETE instead, the next heartbeat's 404 registered it
+    again, back in rotation while it drained)."""
+    node = await harness.node(token=TOKEN)
+    sidecar_process = await start_sidecar(node, engine)
+    hook: asyncio.subprocess.Process | None = None
+    try:
+
+        async def registered() -> bool:
+            row = await instance(node)
+            return row is not None and row.alive
+
+        await wait_for(registered, timeout_s=10, what="the sidecar's registration")
+        held = await node.coordinator.reserve(100, 10)
+        assert held.instance_id == INSTANCE
+        env = {"PATH": os.environ["PATH"], "POD_NAME": INSTANCE, "CONTROL": node.control_url}
+        hook = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", pre_stop(), env={**env, "TOKEN": TOKEN}
+        )
+        cordoned_at = time.monotonic()
+
+        async def cordoned() -> bool:
+            return INSTANCE in (await node.coordinator.read_outliers()).cordoned_ids()
+
+        await wait_for(cordoned, timeout_s=10, what="the hook's cordon")
+
+        async def heartbeat_after_cordon() -> bool:
+            row = await instance(node)
+            since_ms = (time.monotonic() - cordoned_at) * 1000
+            return row is not None and row.last_seen_age_ms < since_ms - 500
+
+        await wait_for(heartbeat_after_cordon, timeout_s=10, what="a heartbeat after the cordon")
+        assert await cordoned() and hook.returncode is None  # still draining
+        first = await instance(node)
+        assert first is not None and first.epoch == held.epoch  # never registered again
+        await node.coordinator.release(held.rid)
+        assert await asyncio.wait_for(hook.wait(), 15) == 0
+    finally:
+        for process in (sidecar_process, hook):
+            if process is not None and process.returncode is None:
+                process.terminate()
+                await process.wait()

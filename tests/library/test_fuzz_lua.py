@@ -131,7 +131,7 @@ LAYOUTS: dict[str, list[Any]] = {
     "restore": [rids, ids, ids, st.integers(0, 3).map(str), phases, tokens, tokens, ms, ms],
     "record_outcome": [
         ids,
-        st.sampled_from(["ok", "fail", "rate"]),
+        st.sampled_from(["ok", "fail", "rate", "cordon", "uncordon"]),
         st.integers(1, 10).map(str),
         st.integers(1, 86_400_000).map(str),
         st.integers(1, 1000).map(str),

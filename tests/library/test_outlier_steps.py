@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from coordinator import Coordinator
-from coordinator.errors import InvalidArgumentError
+from coordinator.errors import InvalidArgumentError, UnknownInstanceError
 from coordinator.outliers import RATE_WINDOW_MS, FailureShares, OutlierPolicy
 from tests.conftest import MakeCoordinator
 from tests.helpers import spec
@@ -149,3 +149,38 @@ def test_failure_shares_keep_a_bounded_number_of_instances() -> None:
 def test_failure_share_policy_rejects(bad: dict[str, Any]) -> None:
     with pytest.raises(InvalidArgumentError):
         OutlierPolicy(**bad)
+
+
+async def test_a_cordon_holds_through_outcomes_until_lifted_or_a_new_epoch(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """An operator's cordon is fleet-wide state beside passive health: successes,
+    failures and ejections neither lift it nor count it; lifting leaves no record;
+    a restarted engine (a new epoch) comes back uncordoned."""
+    c = await pool_of(make_coordinator, 3)
+    assert (await c.cordon("i0", "engine upgrade")).state == "cordoned"
+    await c.cordon("i1")  # no reason
+    view = await c.read_outliers()
+    assert view.cordoned_ids() == {"i0", "i1"} and view.ejected_ids() == frozenset()
+    assert view.state("i0").cordon == "engine upgrade" and view.state("i1").cordon == ""
+    assert view.state("i0").as_dict(view.now_ms)["cordon_reason"] == "engine upgrade"
+    # A request in flight there succeeds: the cordon stays (the failures' record went).
+    assert (await c.record_outcome("i0", True, EJECT_AT_ONCE)).state == "ok"
+    # Failures still eject it, and the cordon outlives the ejection's record.
+    assert (await c.record_outcome("i1", False, EJECT_AT_ONCE, "x")).state == "ejected"
+    view = await c.read_outliers()
+    assert view.cordoned_ids() == {"i0", "i1"} and view.ejected_ids() == {"i1"}
+    # Lifted with nothing else on record: the record goes.
+    assert (await c.cordon("i0", lift=True)).state == "uncordoned"
+    fields = {
+        f.decode() if isinstance(f, bytes) else f for f in await c.redis.hkeys(c.keys.outliers())
+    }
+    assert not {f for f in fields if f.startswith("i0:")}
+    # A restart under a new epoch: i1 comes back in rotation, clean.
+    await c.register_instance(spec(1, epoch=5))
+    assert (await c.record_outcome("i1", True, EJECT_AT_ONCE)).state == "ok"
+    assert (await c.read_outliers()).cordoned_ids() == frozenset()
+    with pytest.raises(UnknownInstanceError):
+        await c.cordon("nobody")
+    with pytest.raises(InvalidArgumentError):
+        await c.cordon("i2", "x" * 201)

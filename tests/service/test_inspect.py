@@ -202,6 +202,18 @@ async def test_tables_show_instances_leases_and_phases(
     await asyncio.to_thread(_save_svg, console, ARTIFACTS / "inspect_watch.svg")
 
 
+async def test_a_cordoned_instance_shows_as_such_and_unranked(
+    quiet_pool: Coordinator, redis_url: str, pool: str
+) -> None:
+    await quiet_pool.cordon("i3", "engine upgrade")
+    code, out, err = await inspect_cli(env=clean_env(COORD_REDIS_URL=redis_url, COORD_POOL=pool))
+    assert (code, err) == (0, ""), err
+    rows = {cells[1]: cells for cells in map(str.split, out.splitlines()) if cells[1:2]}
+    assert rows["i3"][:3] == ["-", "i3", "cordoned"]  # the idlest, yet skipped
+    assert rows["i2"][:3] == ["1", "i2", "alive"]
+    assert ", 1 cordoned" in out
+
+
 async def test_a_pool_the_audit_rebuilt_says_so(
     quiet_pool: Coordinator, redis_url: str, pool: str
 ) -> None:

@@ -285,6 +285,25 @@ async def test_running_node_matches_the_document(checker: Checker) -> None:
     await c.call(
         "heartbeatInstance", params={"instance_id": instance_id}, raw=b"x" * (2**20 + 1), expect=413
     )
+    on = {"instance_id": instance_id}
+    for value, status in c.examples("cordonInstance"):
+        answer = await c.call("cordonInstance", params=on, body=value, expect=status)
+        if status == 200:
+            assert answer == {
+                "instance_id": instance_id,
+                "cordoned": True,
+                "reason": value["reason"],
+                "inflight": 0,
+            }
+    listed = await c.call("listInstances", expect=200)
+    assert [i["cordoned"] for i in listed["instances"]] == [True]
+    await c.call("cordonInstance", params=on, expect=200)  # no body: no reason
+    await c.call("cordonInstance", params={"instance_id": "nobody"}, expect=404)
+    await c.call("cordonInstance", params=on, token=False, expect=401)
+    await c.call("uncordonInstance", params=on, token=False, expect=401)
+    await c.call("uncordonInstance", params={"instance_id": "nobody"}, expect=404)
+    lifted = await c.call("uncordonInstance", params=on, expect=200)
+    assert lifted["cordoned"] is False and lifted["reason"] is None
     await c.call("instanceLoads", query={"strategy": "bogus"}, expect=400)
     await c.call("reservations", query={"limit": "0"}, expect=400)
     await c.call("unregisterInstance", params={"instance_id": instance_id}, token=False, expect=401)

@@ -428,6 +428,7 @@ async def test_health_and_metrics_on_both_planes(harness: Harness) -> None:
             "node_id_shared": False,
             "alive_instances": 1,
             "ejected_instances": 0,
+            "cordoned_instances": 0,
         }
         assert (
             await metric(harness, url, "proxy_requests_total", endpoint="chat", status="200") == 1
