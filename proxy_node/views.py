@@ -72,6 +72,7 @@ def instance_loads_view(
     positions = {iid: i for i, iid in enumerate(ranked_ids(ranking.ranked))}
     now = outliers.now_ms if outliers is not None else snapshot.now_ms
     ejected = outliers.ejected_ids(now) if outliers is not None else frozenset()
+    cordoned = outliers.cordoned_ids() if outliers is not None else frozenset()
     instances = []
     for row in shown:
         data = row.as_dict()
@@ -110,6 +111,7 @@ def instance_loads_view(
             "instances": len(snapshot.rows),
             "alive": sum(1 for row in snapshot.rows if row.alive),
             "ejected": sum(1 for row in snapshot.rows if row.alive and row.id in ejected),
+            "cordoned": sum(1 for row in snapshot.rows if row.alive and row.id in cordoned),
             "inflight": sum(row.inflight or 0 for row in snapshot.rows),
         },
         "truncated": truncated,

@@ -165,6 +165,7 @@
     el.instanceCount.textContent =
       `${pool.alive} alive / ${pool.instances}` +
       (pool.ejected ? `, ${pool.ejected} ejected` : "") +
+      (pool.cordoned ? `, ${pool.cordoned} cordoned` : "") +
       (doc.truncated ? ` (the best ${instances.length} shown)` : "");
     el.inflightTotal.textContent = String(pool.inflight);
     el.noInstances.hidden = instances.length > 0;

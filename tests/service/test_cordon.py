@@ -50,9 +50,11 @@ async def test_a_cordoned_engine_finishes_its_streams_and_gets_no_new_ones(
     held += [await hold(harness, node) for _ in range(3)]
     assert [resp.headers["X-Instance-Id"] for resp in held[4:]] == ["e1"] * 3
     async with harness.http.get(node.control_url + "/debug/instance_loads") as resp:
-        rows = {row["id"]: row for row in (await resp.json())["instances"]}
+        view = await resp.json()
+    rows = {row["id"]: row for row in view["instances"]}
     assert rows["e0"]["outlier"]["cordoned"] is True and rows["e0"]["rank"] is None
     assert rows["e0"]["outlier"]["cordon_reason"] == "upgrade"
+    assert view["summary"]["cordoned"] == 1
     async with harness.http.get(node.url + "/healthz") as resp:
         assert (await resp.json())["cordoned_instances"] == 1
     # The drained engine's streams end normally.

@@ -248,7 +248,7 @@ async def test_debug_instance_loads_shows_the_best_first_within_a_limit(harness:
     status, whole = await call(harness, "GET", url)
     assert status == 200 and whole["truncated"] is False
     assert [row["rank"] for row in whole["instances"]] == [0, 1, 2, 3, 4]
-    summary = {"instances": 5, "alive": 5, "ejected": 0, "inflight": 0}
+    summary = {"instances": 5, "alive": 5, "ejected": 0, "cordoned": 0, "inflight": 0}
     assert whole["summary"] == summary
     status, best = await call(harness, "GET", url + "?limit=2")
     assert status == 200 and best["truncated"] is True and best["summary"] == summary
