@@ -1172,7 +1172,8 @@ async def _stalls(url: str, scale: Scale) -> list[dict[str, Any]]:
     for lo in range(0, scale.churned, step):
         ids = range(10 + lo, 10 + min(scale.churned, lo + step))
         small.register(instance_spec(i) for i in ids)
-        small.many("unregister", (([f"inst-{i:05d}"], ()) for i in ids))
+        outlier_keys = (small.keys.outliers(), small.keys.ejected())
+        small.many("unregister", (([f"inst-{i:05d}"], outlier_keys) for i in ids))
     print(f"  stalls: churned {scale.churned:,} ids in {time.perf_counter() - t:.0f} s", flush=True)
     await op(
         "f. 10-instance pool after churn",

@@ -483,7 +483,9 @@ class Coordinator:
         """Remove an instance; returns how many reservations were voided."""
         self._registered.pop(instance_id, None)
         try:
-            reply = await self._call("unregister", [instance_id])
+            reply = await self._call(
+                "unregister", [instance_id], (self.keys.outliers(), self.keys.ejected())
+            )
         finally:
             # Whatever happened, this node's cache may still list the instance: the
             # next decision must re-read rather than send it to the reserve script.
@@ -1637,9 +1639,9 @@ class Coordinator:
         """Take an instance out of rotation fleet-wide (an operator's maintenance drain):
         no node sends it new requests, the ones in flight finish; `lift` puts it back.
 
-        A cordon holds until lifted, or until the instance registers again under a new
-        epoch (a restarted engine comes back in rotation). Raises UnknownInstanceError
-        for an instance that is not registered."""
+        A cordon holds until lifted, until the instance registers again under a new
+        epoch (a restarted engine comes back in rotation), or until it is unregistered.
+        Raises UnknownInstanceError for an instance that is not registered."""
         if not isinstance(reason, str) or len(reason.encode()) > MAX_CORDON_REASON:
             raise InvalidArgumentError(f"reason must be text of at most {MAX_CORDON_REASON} bytes")
         # The script checks a policy's arguments; a cordon ignores them.

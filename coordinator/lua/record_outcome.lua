@@ -62,7 +62,7 @@ local function field(name) return tonumber(redis.call('HGET', O, id .. ':' .. na
 local function clear(record_too)
   redis.call('HDEL', O, id .. ':fails', id .. ':last_fail_ms', id .. ':until_ms',
     id .. ':ejections', id .. ':reason')
-  if record_too and redis.call('HEXISTS', O, id .. ':cordon') == 0 then
+  if record_too and not redis.call('HGET', O, id .. ':cordon') then
     redis.call('HDEL', O, id .. ':epoch')
   end
   redis.call('ZREM', KEYS[18], id)
@@ -79,7 +79,7 @@ if outcome == 'cordon' then
 end
 if outcome == 'uncordon' then
   redis.call('HDEL', O, id .. ':cordon')
-  if redis.call('HEXISTS', O, id .. ':last_fail_ms') == 0 and until_ms == 0 then
+  if not redis.call('HGET', O, id .. ':last_fail_ms') and until_ms == 0 then
     redis.call('HDEL', O, id .. ':epoch')  -- nothing else on record: the record goes
   end
   return {'uncordoned', fails, until_ms, ejections, now}

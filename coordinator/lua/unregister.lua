@@ -1,5 +1,8 @@
 -- unregister: remove an instance and void its reservations.
 -- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
+-- KEYS[17] = {pool}:outliers, KEYS[18] = {pool}:ejected (record_outcome.lua): the
+--   instance's passive-health record and cordon go with it (an id registered again
+--   later, even at the same epoch, starts clean and in rotation)
 -- ARGV[1] = instance id
 -- returns {'ok', voided_reservations}
 --   the records are deleted in bounded steps (sweep.lua), never all in this call
@@ -22,6 +25,13 @@ end
 for _, name in ipairs(HINTS) do
   redis.call('HDEL', K_HINTS, id .. ':' .. name, id .. ':' .. name .. '_at_ms')
 end
+local outlier = {}
+for i, name in ipairs({'fails', 'last_fail_ms', 'until_ms', 'ejections', 'reason', 'cordon',
+    'epoch'}) do
+  outlier[i] = id .. ':' .. name
+end
+redis.call('HDEL', KEYS[17], unpack(outlier))
+redis.call('ZREM', KEYS[18], id)
 spec_changed(id, now)
 sweep(SWEEP_BUDGET)
 return {'ok', voided}

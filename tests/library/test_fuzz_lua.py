@@ -310,7 +310,7 @@ def extra_keys(c: Coordinator, call: Call) -> list[str]:
         return [c.keys.node_owner(NODE)]
     if call.name in ("release", "restore"):
         return [c.keys.node_rids(NODE)]
-    if call.name == "record_outcome":
+    if call.name in ("record_outcome", "unregister"):
         return [c.keys.outliers(), c.keys.ejected()]
     if call.name == "read_outliers":
         return [c.keys.outliers()]

@@ -184,3 +184,22 @@ async def test_a_cordon_holds_through_outcomes_until_lifted_or_a_new_epoch(
         await c.cordon("nobody")
     with pytest.raises(InvalidArgumentError):
         await c.cordon("i2", "x" * 201)
+
+
+async def test_unregistering_drops_the_record_and_the_cordon(
+    make_coordinator: MakeCoordinator,
+) -> None:
+    """An id registered again later starts clean and in rotation, even at its old
+    epoch: the outliers record and the ejection go with the unregistration."""
+    c = await pool_of(make_coordinator, 4)
+    await c.cordon("i0", "broken fan")
+    assert (await c.record_outcome("i0", False, EJECT_AT_ONCE, "x")).state == "ejected"
+    await c.unregister_instance("i0")
+    fields = {
+        f.decode() if isinstance(f, bytes) else f for f in await c.redis.hkeys(c.keys.outliers())
+    }
+    assert not {f for f in fields if f.startswith("i0:")}
+    assert await c.redis.zscore(c.keys.ejected(), "i0") is None
+    await c.register_instance(spec(0, epoch=1))
+    view = await c.read_outliers()
+    assert view.cordoned_ids() == frozenset() and view.ejected_ids() == frozenset()

@@ -32,6 +32,7 @@ from redis.exceptions import NoPermissionError
 
 from coordinator import Coordinator, InstanceSpec, Settings
 from coordinator.errors import InvalidArgumentError
+from coordinator.outliers import OutlierPolicy
 from local_fleet.embedded import (
     EmbeddedRedis,
     ServerUnavailableError,
@@ -259,6 +260,10 @@ async def test_documented_acl_runs_the_whole_lifecycle(acl: AclSetup, pool: str)
         assert await acl.admin.hlen(reservations) == 0
         state = await read_pool(c, settings)  # coordinator inspect's read
         assert {row["id"] for row in state.loads["instances"]} == {"i0", "i1"}
+        await c.cordon("i1", "maintenance")  # an operator's drain: coordinator cordon
+        await c.record_outcome("i1", True, OutlierPolicy())
+        await c.cordon("i1", lift=True)
+        await c.cordon("i1")
         await c.unregister_instance("i1")
     finally:
         await c.close()
