@@ -91,6 +91,13 @@ class PressureCollector(Collector):
             )
         yield ejected
         yield failures
+        cordoned = GaugeMetricFamily(
+            "proxy_instances_cordoned",
+            "Instances an operator took out of rotation (coordinator cordon), on every node",
+            labels=["pool"],
+        )
+        cordoned.add_metric([self.pool], float(len(view.cordoned_ids()) if view is not None else 0))
+        yield cordoned
         if self.coordinator is None:
             return
         degraded = GaugeMetricFamily(

@@ -13,6 +13,7 @@ import pytest
 from coordinator import InstanceSpec
 from tests.fake_engine import Harness, NodeServer, settled
 from tests.helpers import wait_for
+from tests.service.test_proxy_forwarding import metric
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,6 +58,7 @@ async def test_a_cordoned_engine_finishes_its_streams_and_gets_no_new_ones(
     assert view["summary"]["cordoned"] == 1
     async with harness.http.get(node.url + "/healthz") as resp:
         assert (await resp.json())["cordoned_instances"] == 1
+    assert await metric(harness, node.url, "proxy_instances_cordoned") == 1
     # The drained engine's streams end normally.
     engines["e0"].gate.set()
     for resp in [r for r in held if r.headers["X-Instance-Id"] == "e0"]:
