@@ -188,6 +188,7 @@
       r.row.dataset.ejected = String(isEjected(inst));
       r.row.classList.toggle("stale", !inst.alive);
       r.row.classList.toggle("ejected", inst.alive && isEjected(inst));
+      r.row.classList.toggle("cordoned", inst.alive && isCordoned(inst));
       r.state.textContent = stateText(inst);
       r.total.textContent = fmt(total, 2);
       r.inflight.textContent = inst.inflight === null ? "–" : String(inst.inflight);
@@ -229,9 +230,14 @@
     return Boolean(inst.outlier && inst.outlier.ejected);
   }
 
+  // An operator's cordon (coordinator cordon): alive, out of rotation while it drains.
+  function isCordoned(inst) {
+    return Boolean(inst.outlier && inst.outlier.cordoned);
+  }
+
   function stateText(inst) {
     if (!inst.alive) return "stale";
-    if (inst.outlier && inst.outlier.cordoned) return "cordoned"; // by an operator
+    if (isCordoned(inst)) return "cordoned";
     if (isEjected(inst)) return `ejected ${Math.ceil(inst.outlier.ejected_for_ms / 1000)}s`;
     return "alive";
   }

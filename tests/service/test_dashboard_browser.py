@@ -560,13 +560,25 @@ async def test_dashboard_in_a_browser(
         assert max(row["rowHeight"] for row in await browser.evaluate(DOM_LOADS)) <= 24
         await browser.screenshot(ARTIFACTS / "dashboard_64.png")
 
+        # An operator's cordon: the row says so, and the pool's counts too.
+        await coordinator.cordon("pad-00", "upgrade")  # the node reads it within a second
+
+        async def pad_00_cordoned() -> bool:
+            rows = {row["id"]: row for row in await browser.evaluate(DOM_LOADS)}
+            return rows["pad-00"]["state"] == "cordoned"
+
+        await wait_for(pad_00_cordoned, timeout_s=10, what="the cordoned row")
+        count = await browser.evaluate("document.getElementById('instance-count').textContent")
+        assert count.endswith(", 1 cordoned"), count
+
         # Fewer rows than the pool has (?limit=): the best ranked shown, counts whole.
         await browser.navigate(f"{node.control_url}/ui?interval_ms={INTERVAL_MS}&limit=8")
         await wait_for(lambda: _bar_count(browser, 8), timeout_s=10, what="8 instance bars")
         count = await browser.evaluate("document.getElementById('instance-count').textContent")
-        assert re.fullmatch(r"\d+ alive / 64 \(the best 8 shown\)", count), count
+        assert re.fullmatch(r"\d+ alive / 64, 1 cordoned \(the best 8 shown\)", count), count
         shown = {row["id"] for row in await browser.evaluate(DOM_LOADS)}
-        assert "engine-gone" not in shown and len(shown) == 8  # dead ones rank last
+        # dead and cordoned ones rank last
+        assert not {"engine-gone", "pad-00"} & shown and len(shown) == 8
         assert browser.page_errors() == []
     finally:
         beats.cancel()
