@@ -420,6 +420,8 @@ class LocalCluster:
             f"  curl -s {self.control_urls[0]}/debug/instance_loads | python -m json.tool",
             f"  redis-cli -h {host} -p {port or 6379} HGETALL '{pool_key}:reservations'",
             f"  coordinator inspect --redis-url {redact(self.redis_url)} --pool {self.pool}",
+            f"  coordinator cordon engine-0 --redis-url {redact(self.redis_url)} --pool "
+            f"{self.pool} --wait   # drain it; --lift puts it back",
         ]
         return "\n".join(lines)
 
