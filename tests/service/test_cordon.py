@@ -113,6 +113,13 @@ async def test_with_every_instance_cordoned_the_answer_is_503(harness: Harness) 
     assert engine.requests == 0
 
 
+async def ended(proc: asyncio.subprocess.Process) -> None:
+    """Kill a command a failed assertion left running."""
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
 async def run_cli(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
@@ -133,18 +140,21 @@ async def test_the_cordon_command_waits_for_the_drain(
     res = await coordinator.reserve(100, 10)
     where = ("--redis-url", redis_url, "--pool", pool)
     proc = await run_cli("e0", *where, "--reason", "upgrade", "--wait", "30")
-    assert proc.stdout is not None
-    lines = []
-    while not lines or lines[-1] != "e0: 1 request(s) in flight":
-        line = await asyncio.wait_for(proc.stdout.readline(), 20)
-        assert line, (lines, await proc.stderr.read())  # type: ignore[union-attr]
-        lines.append(line.decode().strip())
-    view = await coordinator.read_outliers()
-    assert view.state("e0").cordon == "upgrade"
-    await coordinator.release(res.rid)
-    out, err = await asyncio.wait_for(proc.communicate(), 20)
-    assert proc.returncode == 0, err
-    assert out.decode().splitlines()[-2:] == ["e0: 0 request(s) in flight", "e0: drained"]
+    try:
+        assert proc.stdout is not None
+        lines = []
+        while not lines or lines[-1] != "e0: 1 request(s) in flight":
+            line = await asyncio.wait_for(proc.stdout.readline(), 20)
+            assert line, (lines, await proc.stderr.read())  # type: ignore[union-attr]
+            lines.append(line.decode().strip())
+        view = await coordinator.read_outliers()
+        assert view.state("e0").cordon == "upgrade"
+        await coordinator.release(res.rid)
+        out, err = await asyncio.wait_for(proc.communicate(), 20)
+        assert proc.returncode == 0, err
+        assert out.decode().splitlines()[-2:] == ["e0: 0 request(s) in flight", "e0: drained"]
+    finally:
+        await ended(proc)
 
     # A drain that does not end in time says so; a lift needs no wait.
     await coordinator.reserve(100, 10)
@@ -160,3 +170,30 @@ async def test_the_cordon_command_waits_for_the_drain(
         proc = await run_cli(*bad)
         await asyncio.wait_for(proc.communicate(), 20)
         assert proc.returncode == code, bad
+
+
+async def test_the_wait_counts_requests_nodes_sent_before_they_learned_of_the_cordon(
+    harness: Harness, redis_url: str, pool: str
+) -> None:
+    """A node learns of a cordon within a second and may reserve on the instance until
+    then: `--wait` declares no drain before that time, so such a request is waited for."""
+    late_node = await harness.coordinator()
+    await late_node.register_instance(InstanceSpec(id="e0", url="http://127.0.0.1:9"))
+    proc = await run_cli("e0", "--redis-url", redis_url, "--pool", pool, "--wait", "30")
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        while not lines or lines[-1] != "e0: 0 request(s) in flight":
+            line = await asyncio.wait_for(proc.stdout.readline(), 20)
+            assert line, lines
+            lines.append(line.decode().strip())
+        res = await late_node.reserve(100, 10)  # its view knows of no cordon yet
+        assert res.instance_id == "e0"
+        line = await asyncio.wait_for(proc.stdout.readline(), 20)
+        assert line.decode().strip() == "e0: 1 request(s) in flight"  # not "drained"
+        await late_node.release(res.rid)
+        out, err = await asyncio.wait_for(proc.communicate(), 20)
+        assert proc.returncode == 0, err
+        assert out.decode().splitlines() == ["e0: 0 request(s) in flight", "e0: drained"]
+    finally:
+        await ended(proc)
