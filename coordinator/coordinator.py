@@ -1642,8 +1642,14 @@ class Coordinator:
         A cordon holds until lifted, until the instance registers again under a new
         epoch (a restarted engine comes back in rotation), or until it is unregistered.
         Raises UnknownInstanceError for an instance that is not registered."""
-        if not isinstance(reason, str) or len(reason.encode()) > MAX_CORDON_REASON:
-            raise InvalidArgumentError(f"reason must be text of at most {MAX_CORDON_REASON} bytes")
+        if (
+            not isinstance(reason, str)
+            or len(reason.encode()) > MAX_CORDON_REASON
+            or not reason.isprintable()  # no line breaks or escapes for views and logs
+        ):
+            raise InvalidArgumentError(
+                f"reason must be printable text of at most {MAX_CORDON_REASON} bytes"
+            )
         # The script checks a policy's arguments; a cordon ignores them.
         action = "uncordon" if lift else "cordon"
         outcome = await self._record_outcome(instance_id, action, OutlierPolicy(), reason)

@@ -275,6 +275,10 @@ async def cordon(request: web.Request) -> web.Response:
     coordinator = _coordinator(request)
     try:
         await request.app[SERVICE_APP][HEALTH].cordon(instance_id, reason, lift=lift)
+        if lift:
+            log.info("instance %s back in rotation (control plane)", instance_id)
+        else:
+            log.info("instance %s cordoned (control plane): %r", instance_id, reason)
         row = next((r for r in (await coordinator.snapshot()).rows if r.id == instance_id), None)
     except UnknownInstanceError:
         return json_error(404, f"unknown instance {instance_id!r}", "unknown_instance")

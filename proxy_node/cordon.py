@@ -20,7 +20,7 @@ import time
 
 from coordinator.connection import connect_redis, redact
 from coordinator.coordinator import Coordinator
-from coordinator.errors import CoordinatorError, UnknownInstanceError
+from coordinator.errors import CoordinatorError, InvalidArgumentError, UnknownInstanceError
 from coordinator.keys import POOL_NAME_RE
 from coordinator.settings import Settings
 from proxy_node.config import DEFAULT_REDIS_URL
@@ -72,7 +72,8 @@ def _seconds(raw: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Cordon (or lift); 0 when done (and drained, with --wait), 1 otherwise, 2 on bad use."""
+    """Cordon (or lift); 0 when done (and drained, with --wait), 1 otherwise, 2 on bad use
+    (a bad pool name or reason, --wait with --lift)."""
     if not POOL_NAME_RE.fullmatch(args.pool):
         return _fail(f"pool name {args.pool!r} must match {POOL_NAME_RE.pattern}", 2)
     if args.lift and args.wait is not None:
@@ -91,6 +92,8 @@ async def _run(args: argparse.Namespace) -> int:
             await coordinator.cordon(iid, args.reason, lift=args.lift)
         except UnknownInstanceError:
             return _fail(f"no instance {iid!r} is registered in pool {args.pool!r}", 1)
+        except InvalidArgumentError as exc:
+            return _fail(str(exc), 2)
         except CoordinatorError as exc:
             return _fail(f"{redact(args.redis_url)}: {exc}", 1)
         if args.lift:

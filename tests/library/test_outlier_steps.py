@@ -182,8 +182,9 @@ async def test_a_cordon_holds_through_outcomes_until_lifted_or_a_new_epoch(
     assert (await c.read_outliers()).cordoned_ids() == frozenset()
     with pytest.raises(UnknownInstanceError):
         await c.cordon("nobody")
-    with pytest.raises(InvalidArgumentError):
-        await c.cordon("i2", "x" * 201)
+    for bad in ("x" * 201, "line\nbreak", "\x1b[31mred"):
+        with pytest.raises(InvalidArgumentError):
+            await c.cordon("i2", bad)
 
 
 async def test_unregistering_drops_the_record_and_the_cordon(

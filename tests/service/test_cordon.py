@@ -106,6 +106,9 @@ async def test_with_every_instance_cordoned_the_answer_is_503(harness: Harness) 
     engine = await harness.engine()
     node = await harness.node()
     await node.coordinator.register_instance(InstanceSpec(id="e0", url=engine.url))
+    url = f"{node.control_url}/v1/instances/e0/cordon"
+    async with harness.http.post(url, json={"reason": "two\nlines"}) as resp:
+        assert resp.status == 400  # printable text only: it reaches logs and views
     await cordon(harness, node, "e0")
     async with harness.http.post(node.url + "/v1/chat/completions", json=STREAM) as resp:
         assert resp.status == 503
@@ -166,7 +169,12 @@ async def test_the_cordon_command_waits_for_the_drain(
     out, err = await asyncio.wait_for(proc.communicate(), 20)
     assert (proc.returncode, out) == (0, b"e0: back in rotation\n")
     assert (await coordinator.read_outliers()).cordoned_ids() == frozenset()
-    for bad, code in ((("nobody", *where), 1), (("e0", *where, "--lift", "--wait"), 2)):
+    bad_uses = (
+        (("nobody", *where), 1),
+        (("e0", *where, "--lift", "--wait"), 2),
+        (("e0", *where, "--reason", "two\nlines"), 2),
+    )
+    for bad, code in bad_uses:
         proc = await run_cli(*bad)
         await asyncio.wait_for(proc.communicate(), 20)
         assert proc.returncode == code, bad
