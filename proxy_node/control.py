@@ -258,7 +258,8 @@ async def unregister(request: web.Request) -> web.Response:
 async def cordon(request: web.Request) -> web.Response:
     """POST /v1/instances/{id}/cordon {"reason": ...}: no node sends the instance new
     requests (the ones in flight finish); DELETE lifts it. Answers the instance's
-    requests in flight as this node's view has them, so a drain can poll until 0."""
+    requests in flight as Redis has them, so a drain can poll until 0 (503 when Redis
+    cannot say: an unknown count is never 0)."""
     instance_id = request.match_info["instance_id"]
     lift = request.method == "DELETE"
     try:
@@ -279,7 +280,10 @@ async def cordon(request: web.Request) -> web.Response:
             log.info("instance %s back in rotation (control plane)", instance_id)
         else:
             log.info("instance %s cordoned (control plane): %r", instance_id, reason)
-        row = next((r for r in (await coordinator.snapshot()).rows if r.id == instance_id), None)
+        snapshot = await coordinator.snapshot()
+        if snapshot.coordination != "ok":  # the count would be this node's alone
+            raise CoordinationUnavailableError("the requests in flight cannot be read")
+        row = next((r for r in snapshot.rows if r.id == instance_id), None)
     except UnknownInstanceError:
         return json_error(404, f"unknown instance {instance_id!r}", "unknown_instance")
     except InvalidArgumentError as exc:

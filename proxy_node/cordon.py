@@ -116,18 +116,26 @@ async def _wait_drained(coordinator: Coordinator, iid: str, limit_s: float) -> i
     last: int | None = None
     while True:
         try:
-            row = next((r for r in (await coordinator.snapshot()).rows if r.id == iid), None)
+            snapshot = await coordinator.snapshot()
         except CoordinatorError as exc:
             return _fail(f"reading the pool failed: {exc}", 1)
-        inflight = 0 if row is None else row.inflight or 0
+        # Without Redis the count is unknown, not 0: never a drain then.
+        inflight: int | None = None
+        if snapshot.coordination == "ok":
+            row = next((r for r in snapshot.rows if r.id == iid), None)
+            inflight = 0 if row is None else row.inflight or 0
         if inflight != last:
-            print(f"{iid}: {inflight} request(s) in flight", flush=True)
+            if inflight is None:
+                print(f"{iid}: requests in flight unknown (Redis unreachable)", flush=True)
+            else:
+                print(f"{iid}: {inflight} request(s) in flight", flush=True)
             last = inflight
         if inflight == 0 and time.monotonic() - start >= SETTLE_S:
             print(f"{iid}: drained")
             return 0
         if time.monotonic() >= deadline:
-            return _fail(f"{iid} still holds {inflight} request(s) after {limit_s:g} s", 1)
+            held = "an unknown number of" if inflight is None else str(inflight)
+            return _fail(f"{iid} still holds {held} request(s) after {limit_s:g} s", 1)
         await asyncio.sleep(POLL_S)
 
 

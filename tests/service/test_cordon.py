@@ -10,9 +10,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from coordinator import InstanceSpec
+from coordinator import Coordinator, InstanceSpec, Settings
+from coordinator.connection import connect_redis
 from tests.fake_engine import Harness, NodeServer, settled
-from tests.helpers import wait_for
+from tests.helpers import private_server, wait_for
 from tests.service.test_proxy_forwarding import metric
 
 pytestmark = pytest.mark.timeout(60)
@@ -205,3 +206,47 @@ async def test_the_wait_counts_requests_nodes_sent_before_they_learned_of_the_co
         assert out.decode().splitlines() == ["e0: 0 request(s) in flight", "e0: drained"]
     finally:
         await ended(proc)
+
+
+async def test_the_wait_never_calls_a_drain_it_cannot_see(pool: str) -> None:
+    """With Redis gone mid-wait, the requests in flight are unknown, not 0: the command
+    keeps waiting, and says so when its time is up."""
+    with private_server() as server:
+        coordinator = Coordinator(connect_redis(server.url, Settings()), pool=pool, node_id="n")
+        try:
+            await coordinator.register_instance(InstanceSpec(id="e0", url="http://127.0.0.1:9"))
+            await coordinator.reserve(100, 10)
+            proc = await run_cli("e0", "--redis-url", server.url, "--pool", pool, "--wait", "4")
+            try:
+                assert proc.stdout is not None
+                line = await asyncio.wait_for(proc.stdout.readline(), 20)
+                assert line == b"e0: cordoned; nodes stop sending it requests within a second\n"
+                line = await asyncio.wait_for(proc.stdout.readline(), 20)
+                assert line == b"e0: 1 request(s) in flight\n"
+                server.stop()
+                out, err = await asyncio.wait_for(proc.communicate(), 30)
+                assert proc.returncode == 1, (out, err)
+                assert b"drained" not in out
+                assert out == b"e0: requests in flight unknown (Redis unreachable)\n"
+                assert b"still holds an unknown number of request(s)" in err
+            finally:
+                await ended(proc)
+        finally:
+            await coordinator.close()
+
+
+async def test_without_redis_a_cordon_is_503_never_a_guess(pool: str) -> None:
+    with private_server() as server:
+        harness = Harness(server.url, pool)
+        try:
+            node = await harness.node()
+            await node.coordinator.register_instance(
+                InstanceSpec(id="e0", url="http://127.0.0.1:9")
+            )
+            server.stop()
+            url = f"{node.control_url}/v1/instances/e0/cordon"
+            async with harness.http.post(url, json={"reason": "upgrade"}) as resp:
+                assert resp.status == 503
+                assert (await resp.json())["error"]["code"] == "coordination_unavailable"
+        finally:
+            await harness.close()
