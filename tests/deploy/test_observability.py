@@ -98,6 +98,7 @@ def test_the_dashboard_covers_the_issue_panels(exported: dict[str, frozenset[str
         "proxy_decision_seconds_bucket",  # decision latency
         "proxy_coordination_degraded",  # degraded time
         "proxy_reservations_reaped_total",  # reaps
+        "proxy_instances_cordoned",  # an operator's drains
     ):
         assert metric in used and metric in exported, metric
 
