@@ -14,17 +14,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import sys
 import time
 
-from coordinator.connection import connect_redis, redact
+from coordinator.connection import redact
 from coordinator.coordinator import Coordinator
 from coordinator.errors import CoordinatorError, InvalidArgumentError, UnknownInstanceError
 from coordinator.keys import POOL_NAME_RE
 from coordinator.settings import Settings
-from proxy_node.config import DEFAULT_REDIS_URL
 from proxy_node.health import REFRESH_S
+from proxy_node.pool_access import add_pool_arguments, leaseless_coordinator
 
 NODE_ID = "cordon"  # the id the command's Coordinator is built with (it takes no lease)
 WAIT_DEFAULT_S = 600.0
@@ -37,14 +36,7 @@ SETTLE_S = 2 * REFRESH_S
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `coordinator cordon`."""
     parser.add_argument("instance_id", metavar="INSTANCE_ID", help="the instance to cordon")
-    parser.add_argument(
-        "--redis-url",
-        default=os.environ.get("COORD_REDIS_URL") or os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
-        help="Redis URL (env COORD_REDIS_URL or REDIS_URL)",
-    )
-    parser.add_argument(
-        "--pool", default=os.environ.get("COORD_POOL", "default"), help="pool (env COORD_POOL)"
-    )
+    add_pool_arguments(parser, "pool")
     parser.add_argument("--reason", default="", help="why, for other operators (shown by views)")
     parser.add_argument(
         "--lift", action="store_true", help="put the instance back in rotation instead"
@@ -82,10 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    settings = Settings()
-    coordinator = Coordinator(
-        connect_redis(args.redis_url, settings), pool=args.pool, node_id=NODE_ID, settings=settings
-    )
+    coordinator = leaseless_coordinator(args.redis_url, args.pool, NODE_ID, Settings())
     iid = args.instance_id
     try:
         try:

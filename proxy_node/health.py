@@ -13,10 +13,11 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
+from typing import Any
 
 from coordinator import Coordinator
 from coordinator.errors import CoordinatorError
-from coordinator.outliers import FailureShares, OutlierPolicy, OutlierState, OutlierView
+from coordinator.outliers import FailureShares, OutlierPolicy, OutlierView
 from coordinator.tasks import raise_if_cancelling
 from proxy_node.metrics import NodeMetrics
 
@@ -55,9 +56,12 @@ class PassiveHealth:
         """Cordon (or with `lift`, put back) an instance fleet-wide; this node's view
         takes it at once, the others' within REFRESH_S (Coordinator.cordon raises)."""
         await self.coordinator.cordon(instance_id, reason, lift=lift)
+        self._note(instance_id, cordon=None if lift else reason)
+
+    def _note(self, instance_id: str, **changes: Any) -> None:
+        """Take what this node just wrote of an instance's record into its view."""
         states = dict(self.view.states)
-        old = states.get(instance_id) or OutlierState(instance_id)
-        states[instance_id] = replace(old, cordon=None if lift else reason)
+        states[instance_id] = replace(self.view.state(instance_id), **changes)
         self.view = OutlierView(self._now_ms(), states)
 
     def failing(self, instance_id: str) -> bool:
@@ -98,16 +102,13 @@ class PassiveHealth:
             return
         if outcome.state in ("ejected", "already"):
             self.shares.forget(instance_id)  # back from its ejection, it starts clean
-        states = dict(self.view.states)
-        old = states.get(instance_id) or OutlierState(instance_id)
-        states[instance_id] = replace(
-            old,
+        self._note(
+            instance_id,
             consecutive_failures=outcome.consecutive_failures,
             ejected_until_ms=outcome.ejected_until_ms,
             ejections=outcome.ejections,
-            reason=stored or old.reason,
+            reason=stored or self.view.state(instance_id).reason,
         )
-        self.view = OutlierView(self._now_ms(), states)
         if share is not None:
             why = (
                 f"{share:.0f}% of its last {self.policy.failure_volume} exchanges through "

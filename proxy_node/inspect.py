@@ -26,7 +26,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from coordinator.connection import connect_redis, redact
+from coordinator.connection import redact
 from coordinator.coordinator import Coordinator
 from coordinator.errors import CoordinatorError, InvalidArgumentError
 from coordinator.invariants import pool_problems
@@ -34,9 +34,9 @@ from coordinator.keys import POOL_NAME_RE, PoolKeys
 from coordinator.packed import as_text
 from coordinator.settings import Settings
 from coordinator.tasks import raise_if_cancelling
+from proxy_node.pool_access import add_pool_arguments, leaseless_coordinator
 from proxy_node.views import instance_loads_view, selection_exclusions
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 NODE_ID = "inspect"  # shown as node_id in --json, like a node's /debug/instance_loads
 WATCH_DEFAULT_S = 2.0
 WATCH_MIN_S = 0.1  # faster refreshes would only load Redis; nothing changes that fast to a human
@@ -74,16 +74,7 @@ class PoolState:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `coordinator inspect`."""
-    parser.add_argument(
-        "--redis-url",
-        default=os.environ.get("COORD_REDIS_URL") or os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
-        help="Redis URL (env COORD_REDIS_URL or REDIS_URL)",
-    )
-    parser.add_argument(
-        "--pool",
-        default=os.environ.get("COORD_POOL", "default"),
-        help="pool to inspect (env COORD_POOL)",
-    )
+    add_pool_arguments(parser, "pool to inspect")
     parser.add_argument(
         "--json",
         action="store_true",
@@ -191,8 +182,7 @@ def _error(message: str) -> None:
 
 
 def _coordinator(url: str, pool: str, settings: Settings) -> Coordinator:
-    # Built directly, not with Coordinator.connect: that would take a node lease.
-    return Coordinator(connect_redis(url, settings), pool=pool, node_id=NODE_ID, settings=settings)
+    return leaseless_coordinator(url, pool, NODE_ID, settings)
 
 
 def _plain_console() -> Console:
