@@ -101,7 +101,14 @@ async def test_two_nodes_spread_a_burst_evenly(harness: Harness) -> None:
     engines = [await harness.engine(gate_after=0) for _ in range(4)]
     nodes = [await harness.node(), await harness.node()]
     for i, engine in enumerate(engines):
-        await nodes[0].coordinator.register_instance(InstanceSpec(id=f"e{i}", url=engine.url))
+        # No predicted prefill: with one, a reserve rightly takes an instance whose
+        # queued prefills the model says are done over a less loaded one whose are not
+        # (lua/reserve.lua's soonest start), and a burst whose requests came 20 ms or
+        # more apart (a loaded CI machine) then left 3 and 5. Counts alone are the test.
+        spec = InstanceSpec(
+            id=f"e{i}", url=engine.url, prefill_ms_per_token=0.0, prefill_overhead_ms=0.0
+        )
+        await nodes[0].coordinator.register_instance(spec)
     for node in nodes:  # both nodes have read the pool, as any node running for a while has
         assert sum(row.alive for row in (await node.coordinator.snapshot()).rows) == 4
     burst = 16
