@@ -804,6 +804,7 @@ class Coordinator:
                 # The guard works on the faded credit (ranked_as): the same prefills
                 # only when there is no credit at all.
                 None if cached else prefills,
+                ties,
             )
             entries = self._cache.entries
             for row, prefill, (max_inflight, max_pending, max_free_at) in zip(

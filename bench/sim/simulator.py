@@ -14,7 +14,7 @@ the rows its own reserves, first-token marks and releases patch, and the Redis t
 of its last read or reserve, extrapolated to the current time, as "now". The reserve
 script then takes the first ranked candidate no busier (live reservations,
 prefill-phase reservations) than the node saw it, or than the least busy candidate
-ranked after it; when every candidate got busier, the least busy one if it has no
+ranked after it, nor busier than one passed over before it; when every candidate got busier, the least busy one if it has no
 more live reservations than the pool's mean, else the node re-ranks on the whole
 state; the last try forces the least reserved one. Both ages 0 give every node the current state at every decision. Carried
 marks and releases (`carry_ms`) are applied at once.
@@ -681,7 +681,7 @@ class Simulation:
             ids, ties = self._candidates(node, shape, now)
             assert ids, "every simulated instance stays alive"
             candidates = [view.rows[iid] for iid in ids]
-            bounds = guard_bounds(candidates, shape, c.weights, now)
+            bounds = guard_bounds(candidates, shape, c.weights, now, ties=ties)
             # The walk: the tied candidates by slot (here: index) from the first after
             # the one the pool's last reservation with ties took, then the rest.
             tied = sorted(range(ties), key=lambda i: self.index[candidates[i].id])

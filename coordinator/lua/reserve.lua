@@ -1,7 +1,8 @@
--- reserve: claim the first ranked candidate that is no busier than the caller saw it
--- (or, when its prefill got busier: of those with no more reservations than their
--- bounds, the one that starts this request's prefill soonest; when every one has
--- more: the least busy if it is at or below the pool's mean).
+-- reserve: claim the first ranked candidate that is no busier than the caller saw it,
+-- nor than any candidate before it that was (or, when its prefill got busier: of
+-- those with no more reservations than their bounds, the one that starts this
+-- request's prefill soonest; when every one has more: the least busy if it is at or
+-- below the pool's mean).
 -- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
 -- KEYS[17] = {pool}:node:<node>:rids  the calling node's reservation set
 -- ARGV[1] = rid (request id, [A-Za-z0-9._:-], <= 128 chars)
@@ -38,7 +39,8 @@
 --   now, and the latest its prefill may be busy until (Redis ms; 0 = no bound; an
 --   instance whose prefill is free now always passes), and still be taken. The
 --   caller sends what it observed, raised to the least it observed on any candidate
---   ranked after this one (coordinator/guard.py: so a candidate is still taken while
+--   ranked after this one, or for a tied one on any other of the tie (the walk may
+--   visit it first) (coordinator/guard.py: so a candidate is still taken while
 --   it is no busier, and would start this request's prefill no later, than the
 --   alternatives the caller knows: a stale view costs no retry as long as its order
 --   holds). Packed, so the walk parses no number: a group is checked only when the
@@ -250,18 +252,20 @@ for i = 1, m do
   if ARGV[at - 1] == 'r' and ARGV[at] == rid then rid_released = true end
 end
 if leased or lease_ms > 0 then
-  -- Unforced: the first alive candidate within its bounds, unless one visited before
-  -- it, within its count bounds but busy past its free-at bound, would still start
-  -- this request's prefill sooner: of the candidates within their count bounds up to
-  -- the first within all its bounds (all of them when none is), the one whose prefill
-  -- starts soonest now, first on ties. (Skipping a candidate for its free-at alone
-  -- would take a later one whose own bounds were raised to what the node saw of the
-  -- candidates after it, which may be busier still.) Forced (the last try): the alive
-  -- candidate with the fewest live reservations now, first on ties. With none within
-  -- its count bounds: the one with the fewest live reservations now, when it has no
-  -- more than the pool's mean (taking it cannot make it the busiest). A view many
-  -- changes behind then costs no second call.
-  local least, timed, timed_ttft = nil, nil, nil
+  -- Unforced: the first alive candidate within its bounds and with no more live
+  -- reservations than any visited before it that was over its count bounds (the
+  -- bounds compare a candidate only with those ranked after it), unless one visited
+  -- before it, within its count bounds but busy past its free-at bound, would still
+  -- start this request's prefill sooner: of the candidates within their count bounds
+  -- (and no busier than one visited before that was not) up to the first within all
+  -- its bounds (all of them when none is), the one whose prefill starts soonest now,
+  -- first on ties. (Skipping a candidate for its free-at alone would take a later one
+  -- whose own bounds were raised to what the node saw of the candidates after it,
+  -- which may be busier still.) Forced (the last try): the alive candidate with the
+  -- fewest live reservations now, first on ties. With none such: the one with the
+  -- fewest live reservations now, when it has no more than the pool's mean (taking it
+  -- cannot make it the busiest). A view many changes behind then costs no second call.
+  local least, timed, timed_ttft, least_over = nil, nil, nil, nil
   local alive_since = now - ttl
   for _, i in ipairs(order) do
     local sent, prefill_ms, decode_ms, max_inflight, max_pending, max_free_at = bounds(i)
@@ -273,12 +277,21 @@ if leased or lease_ms > 0 then
       max_slots = enforce and tonumber(max_slots or '0') or 0
       local full = max_slots > 0 and inflight >= max_slots
       local lesser = not full and (least == nil or inflight < least.inflight)
-      local fits = not full and not force and inflight <= max_inflight and pending <= max_pending
-      -- Liveness matters only to a candidate the walk would keep, or count as full: a
-      -- passed-over one costs no read of it (the first alive one is always kept, so
-      -- saw_alive comes out the same).
-      if (full or lesser or fits) and alive(slot, alive_since) then
+      local within = not full and not force and inflight <= max_inflight
+        and pending <= max_pending
+      -- No busier than a candidate visited before it and passed over for its counts:
+      -- the caller's bounds compare a candidate only with those ranked after it, so a
+      -- view behind on both would otherwise take it over one it ranked first that
+      -- has fewer reservations now.
+      local fits = within and (least_over == nil or inflight <= least_over)
+      local over = not full and not force and not within
+        and (least_over == nil or inflight < least_over)
+      -- Liveness matters only to a candidate the walk would keep, or count as full or
+      -- passed over: any other costs no read of it (the first alive one is always
+      -- kept, so saw_alive comes out the same).
+      if (full or lesser or fits or over) and alive(slot, alive_since) then
         saw_alive = true
+        if over then least_over = inflight end
         if full then
           saw_full = true
           local wait = earliest > 0 and math.max(0, earliest - now) or 0

@@ -601,3 +601,9 @@ async def test_the_reserve_walk_matches_the_lua_script(make_coordinator: MakeCoo
     assert await reserve("w3", [("i1", 50, 0, 0, 0), ("i0", 50, 0, 0, 0)]) == "i0"
     # Above its counts, and above the mean (i1: 3 live, the pool 6 on 3 instances).
     assert await reserve("w4", [("i1", 50, 0, 0, 0)]) is None
+    # i2 (1 live) over its counts: i1 (3) and i0 (2) within theirs but busier than
+    # i2, so none is taken; the least busy, i2, is at or below the mean (6 on 3).
+    passed_over = ("i2", 50, 0, 0, 0)
+    assert await reserve("w5", [passed_over, ("i1", 50, 9, 9, 0), ("i0", 50, 9, 9, 0)]) == "i2"
+    # i2 (2 live) over its counts: i0, within its own, no busier.
+    assert await reserve("w6", [passed_over, ("i0", 50, 9, 9, 0)]) == "i0"

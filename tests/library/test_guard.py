@@ -68,3 +68,28 @@ def test_a_hot_prefix_holder_is_bounded_by_its_share_whatever_its_slack() -> Non
     assert slack[0] > 2 and slack[1] > 1  # the slack alone lets it gain requests
     # Capped at 1 in flight, raised to the least later candidate's count (i2: 1).
     assert guard_bounds(ROWS, capped, weights, NOW)[1][:2] == (1, 1)
+
+
+def test_a_tied_candidate_is_bounded_by_the_rest_of_the_tie() -> None:
+    """The script visits a tie from the pool's turn, so any tied candidate may come
+    first: each one's alternatives are the whole rest of the tie, not only the tied
+    ones sent after it. Untied, the last of the two is raised to the third's count."""
+    rows = [row(0, 2, 2, 0, 0.1), row(1, 2, 2, 0, 0.1), row(2, 4, 4, 0, 0.1)]
+    seed = Weights.preset("seed")
+    assert guard_bounds(rows, RequestShape(100, 10), seed, NOW) == [
+        (2, 2, 0),
+        (4, 4, 0),
+        (4, 4, 0),
+    ]
+    assert guard_bounds(rows, RequestShape(100, 10), seed, NOW, ties=2) == [
+        (2, 2, 0),
+        (2, 2, 0),
+        (4, 4, 0),
+    ]
+    # A tie of equal scores need not be one of equal counts (other layers, weights):
+    # the last of the pool, with nothing after it, is raised to the one before it.
+    unequal = [row(0, 3, 3, 0, 0.1), row(1, 2, 2, 0, 0.1)]
+    assert guard_bounds(unequal, RequestShape(100, 10), seed, NOW, ties=2) == [
+        (3, 3, 0),
+        (3, 3, 0),
+    ]

@@ -306,19 +306,23 @@ async def test_reserve_walks_past_candidates_it_cannot_take(
 ) -> None:
     """Past the first candidate the script reads the rest in one step: an unknown id,
     a full instance and one busier than its bound are passed over in rank order, the
-    first within bounds taken; with every one over its bound, the least busy at or
-    below the pool's mean."""
+    first within bounds taken, unless it has more live reservations than one passed
+    over for its counts (then the walk goes on); with every one over its bound, the
+    least busy at or below the pool's mean."""
     c = await make_coordinator("n1", enforce_max_slots=True)
     for i in range(4):
         await c.register_instance(spec(i, max_slots=1 if i == 1 else 0))
     await c.refresh()
     rids = c.keys.node_rids("n1")
-    for rid, iid in (("f1", "i1"), ("b2", "i2"), ("b3a", "i3"), ("b3b", "i3")):
+    for rid, iid in (("f1", "i1"), ("b2", "i2"), ("b3", "i3")):
         args = _reserve_args("n1", rid, [(iid, 99, 99)])
         assert (await c._direct_call("reserve", args, (rids,)))[:2] == ["ok", iid]
     walk = [("ghost", 99, 99), ("i1", 99, 99), ("i2", 0, 0), ("i3", 99, 99), ("i0", 99, 99)]
     reply = await c._direct_call("reserve", _reserve_args("n1", "w1", walk), (rids,))
-    assert reply[:2] == ["ok", "i3"]
+    assert reply[:2] == ["ok", "i3"]  # 1 live, as many as i2 passed over
+    # i3 now has 2 live, more than i2 (1) passed over for its bound: i0 (0 live).
+    reply = await c._direct_call("reserve", _reserve_args("n1", "w1b", walk[2:]), (rids,))
+    assert reply[:2] == ["ok", "i0"]
     # Every one over its bound: the least busy, i2 (1 live), is at or below the mean
     # (5 live on 4 instances); one more there puts it above (2 > 6 / 4): stale.
     over = [("i3", 0, 0), ("i2", 0, 0)]
@@ -335,7 +339,7 @@ async def test_reserve_walks_past_candidates_it_cannot_take(
     reply = await c._direct_call("reserve", _reserve_args("n1", "w5", [("ghost", 9, 9)]), (rids,))
     assert reply[0] == "none"
     per_instance = (await counters(c))["inflight"]
-    assert per_instance == {"i0": 0, "i1": 1, "i2": 2, "i3": 3}, per_instance
+    assert per_instance == {"i0": 1, "i1": 1, "i2": 2, "i3": 2}, per_instance
     await assert_counters_match_reservations(c)
 
 

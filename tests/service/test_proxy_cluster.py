@@ -104,8 +104,8 @@ async def test_two_nodes_spread_a_burst_evenly(harness: Harness) -> None:
         # No predicted prefill: with one, a reserve rightly takes an instance whose
         # queued prefills the model says are done over a less loaded one whose are not
         # (lua/reserve.lua's soonest start), so a burst spread over 20 ms or more may
-        # leave 3 and 5. Counts alone are the test. (This test still failed 1 run in
-        # about 10 of the full suite after this: a second cause, not yet found.)
+        # leave 3 and 5. Counts alone are the test. (A view behind on two instances
+        # also left 3 and 5 once: docs/reliability.md finding 22.)
         spec = InstanceSpec(
             id=f"e{i}", url=engine.url, prefill_ms_per_token=0.0, prefill_overhead_ms=0.0
         )
