@@ -138,13 +138,13 @@ def main(argv: list[str] | None = None) -> int:
             "An engine's hints (`num_requests_running`, `num_requests_waiting`) count "
             "the fleet's own requests, which the score counts already as reservations; a "
             "report from one burst can still be fresh during the next and make the "
-            "instances it saw busy look busy when they are idle: compare the first two "
-            "rows. The third ranks on request counts alone, as `coordinator bench "
-            "herding` (above) checks the reserve path: compare it with the second for "
-            "what the default's TTFT-aware ranking adds. Requests reach the nodes over "
-            "tens of milliseconds, so the first ones' prefills may be over when the last "
-            "are ranked, and an instance whose prefill is free can then win a second "
-            "request over one whose prefill is still busy.",
+            "instances it saw busy look busy when they are idle: the first two rows "
+            "differ by that alone. The third ranks on request counts alone, as "
+            "`coordinator bench herding` (above) checks the reserve path: it differs "
+            "from the second by the default's TTFT-aware ranking alone. Requests reach "
+            "the nodes over tens of milliseconds, so the first ones' prefills may be over "
+            "when the last are ranked, and an instance whose prefill is free can then win "
+            "a second request over one whose prefill is still busy.",
         ]
     )
     print(text)
