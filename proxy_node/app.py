@@ -44,6 +44,7 @@ from proxy_node.state import (
     NodeState,
     service_of,
 )
+from proxy_node.views import selection_exclusions
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ def render_metrics(
 ) -> bytes:
     """The /metrics text for this snapshot (off the event loop: it only reads `snap`)."""
     # Scored directly (not through rank()): a scrape must not advance the rotation.
-    skipped = outliers.ejected_ids() | outliers.cordoned_ids()
+    skipped = selection_exclusions(snap, outliers)
     candidates = [row for row in eligible(snap.rows) if row.id not in skipped]
     node_metrics.observe_snapshot(snap, score_rows(candidates, weights), outliers)
     return node_metrics.render()

@@ -8,10 +8,15 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
+from coordinator.outliers import OutlierState, OutlierView
+from coordinator.settings import Weights
+from coordinator.snapshot import Snapshot
+from proxy_node.app import render_metrics
 from proxy_node.headers import copy_response_headers, request_headers
 from proxy_node.intake import CompletionRequest, RequestRejectedError, parse_completion
 from proxy_node.metrics import NodeMetrics
 from proxy_node.usage import OutputCounter
+from tests.library.test_strategies import row
 
 
 def sse(doc: object) -> bytes:
@@ -131,3 +136,32 @@ def test_prediction_error_is_relative_to_the_observed_ttft() -> None:
     assert sample(f"{name}_bucket", {"instance": "e0", "le": "0.1"}) == 1
     assert sample(f"{name}_bucket", {"instance": "e0", "le": "0.3"}) == 1
     assert sample(f"{name}_bucket", {"instance": "e0", "le": "0.5"}) == 2
+
+
+@pytest.mark.parametrize(
+    ("states", "scored"),
+    [
+        ({}, {"e0", "e1", "e2"}),
+        # Ejected and cordoned instances are out of selection: no score.
+        ({"e0": OutlierState("e0", ejected_until_ms=2000), "e1": OutlierState("e1", cordon="")},
+         {"e2"}),
+        # Every alive one ejected or cordoned: selection takes the ejected (an ejected
+        # instance beats none), never the cordoned, and so does the score.
+        ({"e0": OutlierState("e0", ejected_until_ms=2000), "e1": OutlierState("e1", cordon=""),
+          "e2": OutlierState("e2", ejected_until_ms=2000)},
+         {"e0", "e2"}),
+    ],
+)  # fmt: skip
+def test_metrics_score_the_instances_selection_would_take(
+    states: dict[str, OutlierState], scored: set[str]
+) -> None:
+    snap = Snapshot(1000, 1, [row("e0"), row("e1"), row("e2")])
+    metrics = NodeMetrics("n", "p", "test")
+    render_metrics(metrics, snap, OutlierView(1000, states), Weights())
+    sample = metrics.registry.get_sample_value
+    shown = {
+        iid
+        for iid in ("e0", "e1", "e2")
+        if sample("proxy_instance_least_load_score", {"pool": "p", "instance": iid}) is not None
+    }
+    assert shown == scored
