@@ -244,25 +244,26 @@ class SharedState:
     ) -> int | None:
         """reserve.lua's unforced choice among `candidates` in the order it visits them,
         each (id, prefill_ms, max inflight, max pending_prefill, max prefill_free_at):
-        of those within their count bounds, and with no more live reservations than
-        any visited before them that was not, up to the first within all its bounds
-        (all of them when none is), the position of the one whose prefill starts
-        soonest, first on ties; with none such, the least busy when it has no more live
-        reservations than the pool's mean; None ('stale') else."""
+        of those within their count bounds and not beaten by one visited before them
+        that was not (fewer live reservations and a TTFT no longer), up to the first
+        within all its bounds (all of them when none is), the position of the one
+        whose prefill starts soonest, first on ties; with none such, the least busy
+        when it has no more live reservations than the pool's mean; None ('stale')
+        else."""
         timed: tuple[int, int] | None = None  # (prefill start + own prefill, position)
         least: int | None = None
-        least_over: int | None = None  # the fewest live of those over their count bounds
+        overs: list[tuple[int, int]] = []  # (inflight, TTFT) of those over their counts
         for i, (iid, prefill_ms, max_inflight, max_pending, max_free_at) in enumerate(candidates):
             inst = self._instances[iid]
             if least is None or inst.inflight < self.inflight(candidates[least][0]):
                 least = i
-            if not self.within(iid, max_inflight, max_pending):
-                least_over = inst.inflight if least_over is None else min(least_over, inst.inflight)
-                continue
-            if least_over is not None and inst.inflight > least_over:
-                continue
             free_at = inst.prefill_free_at_ms
             ttft = max(now_ms, free_at) + prefill_ms
+            if not self.within(iid, max_inflight, max_pending):
+                overs.append((inst.inflight, ttft))
+                continue
+            if any(n < inst.inflight and t <= ttft for n, t in overs):
+                continue
             if timed is None or ttft < timed[0]:
                 timed = (ttft, i)
             if max_free_at == 0 or free_at <= max(now_ms, max_free_at):

@@ -1,8 +1,8 @@
 -- reserve: claim the first ranked candidate that is no busier than the caller saw it,
--- nor than any candidate before it that was (or, when its prefill got busier: of
--- those with no more reservations than their bounds, the one that starts this
--- request's prefill soonest; when every one has more: the least busy if it is at or
--- below the pool's mean).
+-- and not beaten now by one before it that was (fewer reservations, and a TTFT no
+-- longer) (or, when its prefill got busier: of those with no more reservations than
+-- their bounds, the one that starts this request's prefill soonest; when every one
+-- has more: the least busy if it is at or below the pool's mean).
 -- KEYS[1..16] = the pool keys (coordinator/keys.py COLUMNS)
 -- KEYS[17] = {pool}:node:<node>:rids  the calling node's reservation set
 -- ARGV[1] = rid (request id, [A-Za-z0-9._:-], <= 128 chars)
@@ -252,21 +252,37 @@ for i = 1, m do
   if ARGV[at - 1] == 'r' and ARGV[at] == rid then rid_released = true end
 end
 if leased or lease_ms > 0 then
-  -- Unforced: the first alive candidate within its bounds and with no more live
-  -- reservations than any visited before it that was over its count bounds (the
-  -- bounds compare a candidate only with those ranked after it), unless one visited
-  -- before it, within its count bounds but busy past its free-at bound, would still
-  -- start this request's prefill sooner: of the candidates within their count bounds
-  -- (and no busier than one visited before that was not) up to the first within all
-  -- its bounds (all of them when none is), the one whose prefill starts soonest now,
-  -- first on ties. (Skipping a candidate for its free-at alone would take a later one
-  -- whose own bounds were raised to what the node saw of the candidates after it,
-  -- which may be busier still.) Forced (the last try): the alive candidate with the
-  -- fewest live reservations now, first on ties. With none such: the one with the
-  -- fewest live reservations now, when it has no more than the pool's mean (taking it
-  -- cannot make it the busiest). A view many changes behind then costs no second call.
-  local least, timed, timed_ttft, least_over = nil, nil, nil, nil
+  -- Unforced: the first alive candidate within its bounds that no candidate visited
+  -- before it and over its count bounds beats now (see `dominated`), unless one
+  -- visited before it, within its count bounds but busy past its free-at bound, would
+  -- still start this request's prefill sooner: of the candidates within their count
+  -- bounds and not beaten so, up to the first within all its bounds (all of them when
+  -- none is), the one whose prefill starts soonest now, first on ties. (Skipping a
+  -- candidate for its free-at alone would take a later one whose own bounds were
+  -- raised to what the node saw of the candidates after it, which may be busier
+  -- still.) Forced (the last try): the alive candidate with the fewest live
+  -- reservations now, first on ties. With none such: the one with the fewest live
+  -- reservations now, when it has no more than the pool's mean (taking it cannot make
+  -- it the busiest). A view many changes behind then costs no second call.
+  local least, timed, timed_ttft = nil, nil, nil
   local alive_since = now - ttl
+  -- The candidates passed over for their counts: {inflight, ttft, slot, alive}.
+  local overs = {}
+  -- Whether one passed over for its counts, and alive, has fewer live reservations
+  -- than a candidate with these and would give this request a TTFT no longer. The
+  -- caller's bounds compare a candidate only with those ranked after it, so a view
+  -- behind on both would otherwise take it over one it ranked first that is better
+  -- now. (Fewer reservations alone is not better: the less busy one may have a long
+  -- prefill queued.)
+  local function dominated(inflight, ttft)
+    for _, o in ipairs(overs) do
+      if o[1] < inflight and o[2] <= ttft then
+        if o[4] == nil then o[4] = alive(o[3], alive_since) end
+        if o[4] then return true end
+      end
+    end
+    return false
+  end
   for _, i in ipairs(order) do
     local sent, prefill_ms, decode_ms, max_inflight, max_pending, max_free_at = bounds(i)
     if prefill_ms == nil then return fail('bad_arg', 'candidate ' .. i) end
@@ -279,19 +295,21 @@ if leased or lease_ms > 0 then
       local lesser = not full and (least == nil or inflight < least.inflight)
       local within = not full and not force and inflight <= max_inflight
         and pending <= max_pending
-      -- No busier than a candidate visited before it and passed over for its counts:
-      -- the caller's bounds compare a candidate only with those ranked after it, so a
-      -- view behind on both would otherwise take it over one it ranked first that
-      -- has fewer reservations now.
-      local fits = within and (least_over == nil or inflight <= least_over)
-      local over = not full and not force and not within
-        and (least_over == nil or inflight < least_over)
-      -- Liveness matters only to a candidate the walk would keep, or count as full or
-      -- passed over: any other costs no read of it (the first alive one is always
-      -- kept, so saw_alive comes out the same).
-      if (full or lesser or fits or over) and alive(slot, alive_since) then
+      local ttft = math.max(now, free_at) + prefill_ms
+      local fits = within and (#overs == 0 or not dominated(inflight, ttft))
+      local over = nil
+      if not full and not force and not within then
+        over = {inflight, ttft, slot}
+        overs[#overs + 1] = over
+      end
+      -- Liveness matters only to a candidate the walk would keep, or count as full: a
+      -- passed-over one costs no read of it (the first alive one is always kept, so
+      -- saw_alive comes out the same), unless it turns out to beat one within its
+      -- bounds.
+      local live = (full or lesser or fits) and alive(slot, alive_since)
+      if over and lesser then over[4] = live end
+      if live then
         saw_alive = true
-        if over then least_over = inflight end
         if full then
           saw_full = true
           local wait = earliest > 0 and math.max(0, earliest - now) or 0
@@ -305,7 +323,6 @@ if leased or lease_ms > 0 then
             least = kept
           end
           if fits then
-            local ttft = math.max(now, free_at) + prefill_ms
             if timed == nil or ttft < timed_ttft then
               timed = kept or kept_candidate(i, slot, prefill_ms, decode_ms, pending, decode,
                 free_at, earliest, pending_ms, started)

@@ -607,3 +607,13 @@ async def test_the_reserve_walk_matches_the_lua_script(make_coordinator: MakeCoo
     assert await reserve("w5", [passed_over, ("i1", 50, 9, 9, 0), ("i0", 50, 9, 9, 0)]) == "i2"
     # i2 (2 live) over its counts: i0, within its own, no busier.
     assert await reserve("w6", [passed_over, ("i0", 50, 9, 9, 0)]) == "i0"
+    # i1 queues a minute of prefill (4 live); i2 gets busier (5 live), not slower.
+    assert await reserve("load2", [("i1", 60_005, never, never, never)]) == "i1"
+    for k in range(3):
+        assert await reserve(f"x{k}", [("i2", 50, never, never, never)]) == "i2"
+    # i1, passed over, has fewer live reservations than i2 but a longer TTFT, so it
+    # does not beat i2 (the less busy instance is not better behind a long prefill).
+    assert await reserve("w7", [("i1", 50, 0, 0, 1), ("i2", 50, 9, 9, never)]) == "i2"
+    # i0 (3 live, 10 s of prefill), passed over, beats i1 (4 live, a minute), and is
+    # the least busy (the pool: 13 on 3 instances).
+    assert await reserve("w8", [("i0", 50, 0, 0, 1), ("i1", 50, 9, 9, never)]) == "i0"

@@ -306,9 +306,9 @@ async def test_reserve_walks_past_candidates_it_cannot_take(
 ) -> None:
     """Past the first candidate the script reads the rest in one step: an unknown id,
     a full instance and one busier than its bound are passed over in rank order, the
-    first within bounds taken, unless it has more live reservations than one passed
-    over for its counts (then the walk goes on); with every one over its bound, the
-    least busy at or below the pool's mean."""
+    first within bounds taken, unless one passed over for its counts beats it (fewer
+    live reservations, a TTFT no longer: then the walk goes on); with every one over
+    its bound, the least busy at or below the pool's mean."""
     c = await make_coordinator("n1", enforce_max_slots=True)
     for i in range(4):
         await c.register_instance(spec(i, max_slots=1 if i == 1 else 0))
@@ -320,7 +320,7 @@ async def test_reserve_walks_past_candidates_it_cannot_take(
     walk = [("ghost", 99, 99), ("i1", 99, 99), ("i2", 0, 0), ("i3", 99, 99), ("i0", 99, 99)]
     reply = await c._direct_call("reserve", _reserve_args("n1", "w1", walk), (rids,))
     assert reply[:2] == ["ok", "i3"]  # 1 live, as many as i2 passed over
-    # i3 now has 2 live, more than i2 (1) passed over for its bound: i0 (0 live).
+    # i3 now has 2 live; i2, passed over, has 1 and starts no later: i0 (0 live).
     reply = await c._direct_call("reserve", _reserve_args("n1", "w1b", walk[2:]), (rids,))
     assert reply[:2] == ["ok", "i0"]
     # Every one over its bound: the least busy, i2 (1 live), is at or below the mean
