@@ -32,6 +32,7 @@ from tests.helpers import (
     counters,
     live_reservations,
     packed_counters,
+    register_stale_instance,
     spec,
     wait_for,
 )
@@ -341,6 +342,33 @@ async def test_reserve_walks_past_candidates_it_cannot_take(
     per_instance = (await counters(c))["inflight"]
     assert per_instance == {"i0": 1, "i1": 1, "i2": 2, "i3": 2}, per_instance
     await assert_counters_match_reservations(c)
+
+
+@pytest.mark.parametrize("backend", ["real"])  # register_stale_instance needs a URL
+async def test_a_dead_instance_passed_over_beats_no_candidate(
+    make_coordinator: MakeCoordinator, redis_url: str, pool: str
+) -> None:
+    """A candidate passed over for its counts beats a later one within its bounds only
+    while it is alive: i2 (2 live, then dead) does not keep the walk from i0 (3 live),
+    which an alive i2 beats (placed first, its prefills end no later; and above the
+    pool's mean, 5 on 3 instances, it is not taken either: stale)."""
+    c = await make_coordinator("n1")
+    for i in range(3):
+        await c.register_instance(spec(i))
+    rids = c.keys.node_rids("n1")
+    for rid, iid in (("c1", "i2"), ("c2", "i2"), ("a1", "i0"), ("a2", "i0"), ("a3", "i0")):
+        args = _reserve_args("n1", rid, [(iid, 99, 99)])
+        assert (await c._direct_call("reserve", args, (rids,)))[:2] == ["ok", iid]
+    walk = [("i2", 0, 0), ("i0", 9, 9)]
+
+    async def reserve(rid: str) -> list[object]:
+        args = _reserve_args("n1", rid, walk)
+        args[6] = 10_000  # instance ttl: an instance silent for a minute is dead
+        return list(await c._direct_call("reserve", args, (rids,)))
+
+    assert (await reserve("w1"))[0] == "stale"
+    await register_stale_instance(redis_url, pool, "i2")  # its engine went quiet
+    assert (await reserve("w2"))[:2] == ["ok", "i0"]
 
 
 async def test_a_reserve_sent_again_is_a_dup_whatever_its_candidates(
