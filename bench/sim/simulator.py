@@ -15,10 +15,11 @@ of its last read or reserve, extrapolated to the current time, as "now". The res
 script then takes the first ranked candidate no busier (live reservations,
 prefill-phase reservations) than the node saw it, or than the least busy candidate
 ranked after it, unless one passed over before it beats it now (fewer live
-reservations and, ranking on TTFT, a TTFT no longer); when every candidate got busier, the least busy one if it has no
-more live reservations than the pool's mean, else the node re-ranks on the whole
-state; the last try forces the least reserved one. Both ages 0 give every node the current state at every decision. Carried
-marks and releases (`carry_ms`) are applied at once.
+reservations and a TTFT no longer); when every candidate got busier, the least busy
+one if it has no more live reservations than the pool's mean, else the node re-ranks
+on the whole state; the last try forces the least reserved one. Both ages 0 give
+every node the current state at every decision. Carried marks and releases
+(`carry_ms`) are applied at once.
 
 Strategies:
 
