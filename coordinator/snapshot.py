@@ -50,6 +50,15 @@ class Snapshot:
         """Rows keyed by instance id."""
         return {row.id: row for row in self.rows}
 
+    def inflight_of(self, instance_id: str) -> int | None:
+        """Requests in flight on one instance as Redis holds them (0 when the pool has
+        no such instance); None in degraded mode, whose rows count this node's alone:
+        an unknown count is never 0 (a drain must not end on it)."""
+        if self.coordination != "ok":
+            return None
+        row = next((r for r in self.rows if r.id == instance_id), None)
+        return 0 if row is None else row.inflight or 0
+
 
 @dataclass(slots=True)
 class SpecEntry:

@@ -280,10 +280,9 @@ async def cordon(request: web.Request) -> web.Response:
             log.info("instance %s back in rotation (control plane)", instance_id)
         else:
             log.info("instance %s cordoned (control plane): %r", instance_id, reason)
-        snapshot = await coordinator.snapshot()
-        if snapshot.coordination != "ok":  # the count would be this node's alone
+        inflight = (await coordinator.snapshot()).inflight_of(instance_id)
+        if inflight is None:
             raise CoordinationUnavailableError("the requests in flight cannot be read")
-        row = next((r for r in snapshot.rows if r.id == instance_id), None)
     except UnknownInstanceError:
         return json_error(404, f"unknown instance {instance_id!r}", "unknown_instance")
     except InvalidArgumentError as exc:
@@ -295,7 +294,7 @@ async def cordon(request: web.Request) -> web.Response:
             "instance_id": instance_id,
             "cordoned": not lift,
             "reason": None if lift else reason,
-            "inflight": row.inflight if row is not None else 0,
+            "inflight": inflight,
         }
     )
 

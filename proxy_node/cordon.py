@@ -108,11 +108,7 @@ async def _wait_drained(coordinator: Coordinator, iid: str, limit_s: float) -> i
             snapshot = await coordinator.snapshot()
         except CoordinatorError as exc:
             return _fail(f"reading the pool failed: {exc}", 1)
-        # Without Redis the count is unknown, not 0: never a drain then.
-        inflight: int | None = None
-        if snapshot.coordination == "ok":
-            row = next((r for r in snapshot.rows if r.id == iid), None)
-            inflight = 0 if row is None else row.inflight or 0
+        inflight = snapshot.inflight_of(iid)  # None without Redis: never a drain then
         if inflight != last:
             if inflight is None:
                 print(f"{iid}: requests in flight unknown (Redis unreachable)", flush=True)

@@ -124,6 +124,16 @@ async def ended(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
+async def read_until(proc: asyncio.subprocess.Process, wanted: str) -> None:
+    """Read the command's output up to the line `wanted` (20 s per line at most)."""
+    assert proc.stdout is not None and proc.stderr is not None
+    lines: list[str] = []
+    while not lines or lines[-1] != wanted:
+        line = await asyncio.wait_for(proc.stdout.readline(), 20)
+        assert line, (lines, await proc.stderr.read())
+        lines.append(line.decode().strip())
+
+
 async def run_cli(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
@@ -145,12 +155,7 @@ async def test_the_cordon_command_waits_for_the_drain(
     where = ("--redis-url", redis_url, "--pool", pool)
     proc = await run_cli("e0", *where, "--reason", "upgrade", "--wait", "30")
     try:
-        assert proc.stdout is not None
-        lines = []
-        while not lines or lines[-1] != "e0: 1 request(s) in flight":
-            line = await asyncio.wait_for(proc.stdout.readline(), 20)
-            assert line, (lines, await proc.stderr.read())  # type: ignore[union-attr]
-            lines.append(line.decode().strip())
+        await read_until(proc, "e0: 1 request(s) in flight")
         view = await coordinator.read_outliers()
         assert view.state("e0").cordon == "upgrade"
         await coordinator.release(res.rid)
@@ -190,14 +195,9 @@ async def test_the_wait_counts_requests_nodes_sent_before_they_learned_of_the_co
     await late_node.register_instance(InstanceSpec(id="e0", url="http://127.0.0.1:9"))
     proc = await run_cli("e0", "--redis-url", redis_url, "--pool", pool, "--wait", "30")
     try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        while not lines or lines[-1] != "e0: 0 request(s) in flight":
-            line = await asyncio.wait_for(proc.stdout.readline(), 20)
-            assert line, lines
-            lines.append(line.decode().strip())
+        await read_until(proc, "e0: 0 request(s) in flight")
         res = await late_node.reserve(100, 10)  # its view knows of no cordon yet
-        assert res.instance_id == "e0"
+        assert res.instance_id == "e0" and proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), 20)
         assert line.decode().strip() == "e0: 1 request(s) in flight"  # not "drained"
         await late_node.release(res.rid)
