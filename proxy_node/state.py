@@ -15,6 +15,7 @@ from coordinator.tasks import stop_task
 from proxy_node.config import NodeConfig
 from proxy_node.health import PassiveHealth
 from proxy_node.metrics import NodeMetrics
+from proxy_node.scrape import SharedRender
 
 DRAIN_TIMEOUT_S = 5.0  # at shutdown, how long pending releases may still take
 
@@ -23,6 +24,7 @@ COORDINATOR = web.AppKey("coordinator", Coordinator)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 METRICS = web.AppKey("metrics", NodeMetrics)
 HEALTH = web.AppKey("health", PassiveHealth)
+SCRAPES = web.AppKey("scrapes", SharedRender)  # /metrics renders, shared by scrapes
 # On the control app: the service app whose Coordinator, metrics and state it shares.
 SERVICE_APP = web.AppKey("service_app", web.Application)
 
