@@ -41,6 +41,7 @@ from coordinator.errors import (
 )
 from coordinator.keys import ID_RE
 from coordinator.models import Reservation
+from proxy_node.bodies import read_up_to
 from proxy_node.errors import json_error
 from proxy_node.headers import copy_response_headers, request_headers
 from proxy_node.intake import RequestRejectedError, parse_completion
@@ -424,7 +425,7 @@ class Exchange:
         status = upstream.status
         detail = ""
         with suppress(aiohttp.ClientError, TimeoutError):
-            raw = await upstream.content.read(ERROR_DETAIL_BYTES)
+            raw = await read_up_to(upstream.content, ERROR_DETAIL_BYTES)
             detail = raw.decode("utf-8", "replace")
         if status != 429:
             # A 429 is a healthy engine that is full: ejecting it would take capacity

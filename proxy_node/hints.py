@@ -22,6 +22,7 @@ from coordinator import Coordinator
 from coordinator.errors import CoordinatorError
 from coordinator.models import InstanceLoad
 from coordinator.tasks import raise_if_cancelling
+from proxy_node.bodies import read_up_to
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ async def scrape_instance(
     async with session.get(url, timeout=timeout, headers=headers) as resp:
         if resp.status != 200:
             raise ValueError(f"{url} answered {resp.status}")
-        raw = await resp.content.read(MAX_METRICS_BYTES + 1)
+        raw = await read_up_to(resp.content, MAX_METRICS_BYTES + 1)
         if len(raw) > MAX_METRICS_BYTES:
             raise ValueError(f"{url} is larger than {MAX_METRICS_BYTES} bytes")
     return parse_engine_metrics(raw.decode("utf-8", "replace"))

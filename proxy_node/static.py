@@ -18,6 +18,7 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import aiohttp
 
@@ -25,6 +26,7 @@ from coordinator import Coordinator, InstanceSpec
 from coordinator.errors import CoordinatorError, UnknownInstanceError
 from coordinator.models import InstanceLoad
 from coordinator.tasks import raise_if_cancelling
+from proxy_node.bodies import read_up_to
 from proxy_node.config import instance_id_for
 
 log = logging.getLogger(__name__)
@@ -53,14 +55,19 @@ def static_instances(urls: Sequence[str], model: str | None = None) -> list[Stat
     ]
 
 
-async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
-    """GET {url}/v1/models: the first model id (None for an empty list); raises when it fails."""
+async def engine_models(
+    session: aiohttp.ClientSession, url: str, timeout_s: float
+) -> list[dict[str, Any]]:
+    """GET {url}/v1/models: its entries with a string id (raises when it fails, or when
+    the answer is over MAX_MODELS_BYTES, is no JSON or has no data list)."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     headers = {"Accept-Encoding": "identity"}
-    async with session.get(url + "/v1/models", timeout=timeout, headers=headers) as resp:
+    async with session.get(
+        url.rstrip("/") + "/v1/models", timeout=timeout, headers=headers
+    ) as resp:
         if resp.status != 200:
             raise ValueError(f"GET /v1/models answered {resp.status}")
-        raw = await resp.content.read(MAX_MODELS_BYTES + 1)
+        raw = await read_up_to(resp.content, MAX_MODELS_BYTES + 1)
     if len(raw) > MAX_MODELS_BYTES:
         raise ValueError(f"GET /v1/models is larger than {MAX_MODELS_BYTES} bytes")
     try:
@@ -70,8 +77,13 @@ async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float) -> s
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list):
         raise ValueError("GET /v1/models has no data list")
-    for entry in data:
-        if isinstance(entry, dict) and isinstance(entry.get("id"), str) and entry["id"]:
+    return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+async def probe(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str | None:
+    """GET {url}/v1/models: the first model id (None for an empty list); raises when it fails."""
+    for entry in await engine_models(session, url, timeout_s):
+        if entry["id"]:
             return str(entry["id"])
     return None
 
