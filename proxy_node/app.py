@@ -52,9 +52,10 @@ log = logging.getLogger(__name__)
 
 MODELS_CACHE_S = 5.0  # how long the union of the engines' /v1/models is reused
 MODELS_TIMEOUT_S = 2.0  # one engine's /v1/models; a slow engine is left out
+MODELS_CONCURRENCY = 16  # engines asked for their /v1/models at once
+MODELS_DEADLINE_S = 4.0  # for all of them: a pool of slow engines cannot hold /v1/models
 BODY_SLACK_BYTES = 64 * 1024  # aiohttp's own cap sits above ours so we answer 413 as JSON
 
-IDENTITY = {"Accept-Encoding": "identity"}  # the session does not decompress
 
 INJECTED = web.AppKey("coordinator_injected", bool)
 
@@ -271,10 +272,20 @@ async def _collect_models(
 ) -> list[dict[str, Any]]:
     snap = await coordinator.snapshot()
     alive = [row for row in snap.rows if row.alive]
-    fetched = await asyncio.gather(
-        *(_instance_models(session, row.url) for row in alive if row.spec.model is None),
-        return_exceptions=True,
-    )
+    # A few at a time: all of a large pool's at once held the event loop for 120 ms at
+    # 1,000 engines, every MODELS_CACHE_S while clients poll /v1/models.
+    bound = asyncio.Semaphore(MODELS_CONCURRENCY)
+
+    async def fetch(url: str) -> list[dict[str, Any]]:
+        async with bound:
+            return await static.engine_models(session, url, MODELS_TIMEOUT_S)
+
+    tasks = [asyncio.ensure_future(fetch(row.url)) for row in alive if row.spec.model is None]
+    if tasks:  # engines still queued or answering by the deadline are left out this time
+        _, late = await asyncio.wait(tasks, timeout=MODELS_DEADLINE_S)
+        for task in late:
+            task.cancel()
+    fetched = await asyncio.gather(*tasks, return_exceptions=True)
     seen: dict[str, dict[str, Any]] = {}
     for row in alive:
         if row.spec.model is not None:
@@ -289,17 +300,3 @@ async def _collect_models(
         for entry in result:
             seen.setdefault(entry["id"], entry)
     return sorted(seen.values(), key=lambda m: str(m["id"]))
-
-
-async def _instance_models(session: aiohttp.ClientSession, url: str) -> list[dict[str, Any]]:
-    timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)
-    async with session.get(
-        url.rstrip("/") + "/v1/models", timeout=timeout, headers=IDENTITY
-    ) as resp:
-        if resp.status != 200:
-            raise ValueError(f"{url}/v1/models answered {resp.status}")
-        doc = await resp.json(content_type=None)
-    data = doc.get("data") if isinstance(doc, dict) else None
-    if not isinstance(data, list):
-        raise ValueError(f"{url}/v1/models: no data list")
-    return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
