@@ -7,6 +7,7 @@ from typing import Any
 
 USAGE_TAIL_BYTES = 16 * 1024  # stream tail kept to find the final `usage` chunk
 KEEP_JSON_BYTES = 1024 * 1024  # non-streaming bodies up to this size are parsed for usage
+DATA, DONE = b"data:", b"[DONE]"  # an SSE event's field, and the stream's last event
 
 
 class OutputCounter:
@@ -23,8 +24,12 @@ class OutputCounter:
     def feed(self, chunk: bytes) -> None:
         """Take one relayed chunk."""
         if self.stream:
-            self.events += chunk.count(b"data:")
-            self.done_events += chunk.count(b"[DONE]")
+            # A marker split across two network chunks is counted in the one it ends in:
+            # the previous chunk's last bytes, too few to hold a whole marker, go first.
+            # (Counted per chunk alone, a `[DONE]` split in two made a whole answer a
+            # truncated stream: a failure of a healthy engine for passive health.)
+            self.events += (self.tail[-len(DATA) + 1 :] + chunk).count(DATA)
+            self.done_events += (self.tail[-len(DONE) + 1 :] + chunk).count(DONE)
             self.tail = (self.tail + chunk)[-USAGE_TAIL_BYTES:]
         elif not self.overflow:
             self.body += chunk

@@ -6,6 +6,8 @@ import json
 
 import pytest
 from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
 from multidict import CIMultiDict
 
 from coordinator.outliers import OutlierState, OutlierView
@@ -77,6 +79,32 @@ def test_output_counter_prefers_usage_then_counts_chunks() -> None:
     broken = OutputCounter(stream=False)
     broken.feed(b"not json")
     assert broken.tokens() is None
+
+
+@given(st.lists(st.integers(min_value=0, max_value=400), max_size=12))
+def test_output_counter_reads_a_stream_the_same_however_the_network_splits_it(
+    cuts: list[int],
+) -> None:
+    """Events and `[DONE]` split across chunks anywhere, even one byte at a time: the
+    answer is whole, and its count is the same as in one piece."""
+    events = [sse({"choices": [{"delta": {"content": f"t{i}"}}]}) for i in range(4)]
+    body = b"".join(events) + b"data: [DONE]\n\n"
+    at = sorted({min(c, len(body)) for c in cuts})
+    pieces = [body[a:b] for a, b in zip([0, *at], [*at, len(body)], strict=True)]
+    counter = OutputCounter(stream=True)
+    for piece in pieces:
+        counter.feed(piece)
+    assert counter.problem() is None
+    assert counter.tokens() == 4
+    assert (counter.events, counter.done_events) == (5, 1)
+
+
+def test_output_counter_reads_a_stream_fed_byte_by_byte() -> None:
+    body = sse({"choices": [{"delta": {"content": "x"}}]}) + b"data: [DONE]\n\n"
+    counter = OutputCounter(stream=True)
+    for i in range(len(body)):
+        counter.feed(body[i : i + 1])
+    assert (counter.problem(), counter.tokens()) == (None, 1)
 
 
 def test_parse_completion_keeps_the_model_and_the_cap() -> None:
