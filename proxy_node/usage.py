@@ -38,10 +38,12 @@ class OutputCounter:
                 self.body.clear()
 
     def problem(self) -> str | None:
-        """Why a 2xx answer looks broken, or None: a stream that never sent `[DONE]`
-        (cut or empty), or a non-streaming body that is not JSON (passive health)."""
+        """Why a 2xx answer looks broken, or None: a stream whose last event is not
+        `[DONE]` (cut or empty), or a non-streaming body that is not JSON (passive
+        health). The last event, not any: a model's text may say `[DONE]` too."""
         if self.stream:
-            if self.done_events:
+            last = self.tail.rstrip().rpartition(b"\n")[2]
+            if last.startswith(DATA) and last[len(DATA) :].strip() == DONE:
                 return None
             return "truncated_stream" if self.events else "empty_stream"
         if self.overflow:

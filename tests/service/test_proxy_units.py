@@ -99,6 +99,18 @@ def test_output_counter_reads_a_stream_the_same_however_the_network_splits_it(
     assert (counter.events, counter.done_events) == (5, 1)
 
 
+def test_a_stream_is_whole_only_when_its_last_event_is_done() -> None:
+    said = sse({"choices": [{"delta": {"content": "data: [DONE]"}}]})
+    cut = OutputCounter(stream=True)
+    cut.feed(said)  # the model wrote the marker's text; the engine stopped after it
+    assert cut.problem() == "truncated_stream"
+    for last in (b"data: [DONE]\n\n", b"data:[DONE]\r\n\r\n", b"data: [DONE]"):
+        whole = OutputCounter(stream=True)
+        whole.feed(said + last)
+        assert whole.problem() is None
+    assert OutputCounter(stream=True).problem() == "empty_stream"
+
+
 def test_output_counter_reads_a_stream_fed_byte_by_byte() -> None:
     body = sse({"choices": [{"delta": {"content": "x"}}]}) + b"data: [DONE]\n\n"
     counter = OutputCounter(stream=True)
