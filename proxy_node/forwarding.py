@@ -457,7 +457,8 @@ class Exchange:
             self.status, self.outcome = 499, "client_disconnect"
             return response
         self.response = response
-        counter = OutputCounter(self.stream) if ok else None
+        encoding = upstream.headers.get("Content-Encoding", "")
+        counter = OutputCounter(self.stream, encoding) if ok else None
         chunk, marked = first, not ok
         first_at = self.loop.time()
         idle_s = self.config.idle_timeout_s

@@ -1,28 +1,60 @@
-"""Learning output lengths from relayed responses (for the expected-output average)."""
+"""Judging relayed responses (passive health) and learning their output lengths."""
 
 from __future__ import annotations
 
 import json
+import zlib
 from typing import Any
 
 USAGE_TAIL_BYTES = 16 * 1024  # stream tail kept to find the final `usage` chunk
 KEEP_JSON_BYTES = 1024 * 1024  # non-streaming bodies up to this size are parsed for usage
 DATA, DONE = b"data:", b"[DONE]"  # an SSE event's field, and the stream's last event
+DECODED_BYTES = 16 * 1024 * 1024  # a compressed answer is looked into up to this size
+# Content-Encodings looked through (zlib reads gzip and zlib-wrapped deflate); the
+# node passes any other through unjudged, as it does an answer past DECODED_BYTES.
+ZLIB_ENCODINGS = frozenset({"gzip", "x-gzip", "deflate"})
 
 
 class OutputCounter:
-    """Observes a successful response to learn its output length (for the average)."""
+    """Observes a successful response: whether it is whole, and its output length.
 
-    def __init__(self, stream: bool) -> None:
+    A compressed answer (the client asked for one, and the engine or a gateway in
+    front of it compressed) is looked at decoded: read as it came, every gzip answer
+    was a broken body, a failure of a healthy engine for passive health.
+    """
+
+    def __init__(self, stream: bool, encoding: str = "") -> None:
         self.stream = stream
         self.events = 0
         self.done_events = 0
         self.tail = b""
         self.body = bytearray()
+        # Not looked into, so not judged: too large, compressed in a way zlib does not
+        # read (br, zstd, raw deflate), or not the encoding it said it was.
         self.overflow = False
+        self._decoded = 0
+        self._inflate: Any = None
+        encoding = encoding.strip().lower()
+        if encoding in ZLIB_ENCODINGS:
+            self._inflate = zlib.decompressobj(32 + zlib.MAX_WBITS)  # gzip or zlib header
+        elif encoding not in ("", "identity"):
+            self.overflow = True
 
     def feed(self, chunk: bytes) -> None:
         """Take one relayed chunk."""
+        if self.overflow:
+            return
+        if self._inflate is not None:
+            try:  # at most what is left of the budget, so a small bomb stays small
+                chunk = self._inflate.decompress(chunk, DECODED_BYTES - self._decoded + 1)
+            except zlib.error:
+                self.overflow = True
+                return
+            self._decoded += len(chunk)
+            if self._decoded > DECODED_BYTES:
+                self.overflow = True
+                self.tail, self.body = b"", bytearray()
+                return
         if self.stream:
             # A marker split across two network chunks is counted in the one it ends in:
             # the previous chunk's last bytes, too few to hold a whole marker, go first.
@@ -31,7 +63,7 @@ class OutputCounter:
             self.events += (self.tail[-len(DATA) + 1 :] + chunk).count(DATA)
             self.done_events += (self.tail[-len(DONE) + 1 :] + chunk).count(DONE)
             self.tail = (self.tail + chunk)[-USAGE_TAIL_BYTES:]
-        elif not self.overflow:
+        else:
             self.body += chunk
             if len(self.body) > KEEP_JSON_BYTES:
                 self.overflow = True
@@ -41,13 +73,13 @@ class OutputCounter:
         """Why a 2xx answer looks broken, or None: a stream whose last event is not
         `[DONE]` (cut or empty), or a non-streaming body that is not JSON (passive
         health). The last event, not any: a model's text may say `[DONE]` too."""
+        if self.overflow:
+            return None
         if self.stream:
             last = self.tail.rstrip().rpartition(b"\n")[2]
             if last.startswith(DATA) and last[len(DATA) :].strip() == DONE:
                 return None
             return "truncated_stream" if self.events else "empty_stream"
-        if self.overflow:
-            return None  # too large to check; a body that long is an answer
         try:
             json.loads(self.body)
         except (ValueError, RecursionError):
@@ -56,6 +88,8 @@ class OutputCounter:
 
     def tokens(self) -> int | None:
         """usage.completion_tokens when the engine sent it, else the count of SSE chunks."""
+        if self.overflow:
+            return None
         if self.stream:
             for line in reversed(self.tail.split(b"\n")):
                 line = line.strip()
@@ -64,7 +98,7 @@ class OutputCounter:
                     if usage is not None:
                         return usage
             return max(0, self.events - self.done_events) or None
-        return None if self.overflow else _completion_tokens(bytes(self.body))
+        return _completion_tokens(bytes(self.body))
 
 
 def _completion_tokens(raw: bytes) -> int | None:

@@ -39,6 +39,7 @@ class FakeEngine:
     hang: bool = False  # read the request and never answer (until stop)
     raw_body: bytes | None = None  # answer 200 with exactly these bytes (b"": empty body)
     omit_done: bool = False  # end a stream cleanly but without its final chunk and [DONE]
+    compress: bool = False  # compress answers as the request's Accept-Encoding allows
     gate_after: int | None = None  # chunks sent before waiting for `gate` (None: no gate)
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     model: str = "fake-model"
@@ -131,8 +132,13 @@ class FakeEngine:
             for _ in range(self.chunks):
                 await asyncio.sleep(self.delay_s)
             self.completed += 1
-            return web.json_response(self._full(chat))
+            answer = web.json_response(self._full(chat))
+            if self.compress:
+                answer.enable_compression()
+            return answer
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        if self.compress:
+            response.enable_compression()
         await response.prepare(request)
         for i in range(self.chunks):
             if self.crash_after is not None and i >= self.crash_after:

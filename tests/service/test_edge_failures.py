@@ -21,6 +21,7 @@ from coordinator import InstanceSpec
 from coordinator.outliers import OutlierPolicy
 from proxy_node.forwarding import THREAD_PARSE_BYTES
 from proxy_node.inspect import read_pool, render
+from proxy_node.state import STATE
 from tests.fake_engine import FakeEngine, Harness, NodeServer, settled
 from tests.helpers import live_reservations, wait_for
 from tests.service.test_proxy_forwarding import CHAT, metric, post
@@ -194,6 +195,28 @@ async def test_an_engine_failing_one_request_in_three_is_ejected(harness: Harnes
     for _ in range(6):
         assert (await chat(harness, node))[:2] == (200, "e1")
     assert await metric(harness, node.url, "proxy_ejections_total") == 1
+
+
+@pytest.mark.parametrize("body", [CHAT, STREAM], ids=["json", "stream"])
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_compressed_answer_is_no_failure(
+    harness: Harness, body: dict[str, Any], encoding: str
+) -> None:
+    """The client asked for a compressed answer and the engine compressed it: read as
+    it came, every such answer was a broken body, and 2 of them ejected the engine."""
+    engine = await harness.engine(compress=True)
+    node = await harness.node(**EJECT)
+    await register(node, engine)
+    for _ in range(3):
+        async with await post(harness, node, body, headers={"Accept-Encoding": encoding}) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Encoding"] == encoding
+            answer = await resp.read()  # decoded by the client
+        assert (b"[DONE]" in answer) if body is STREAM else json.loads(answer)["usage"]
+    await wait_for(lambda: not node.app[STATE].tasks, what="the outcomes reported")
+    assert await metric(harness, node.url, "proxy_upstream_failures_total") == 0
+    assert (await node.coordinator.read_outliers()).states == {}
+    assert engine.completed == 3
 
 
 async def test_ejection_can_be_turned_off(harness: Harness) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 
 import pytest
 from aiohttp import web
@@ -13,6 +15,7 @@ from multidict import CIMultiDict
 from coordinator.outliers import OutlierState, OutlierView
 from coordinator.settings import Weights
 from coordinator.snapshot import Snapshot
+from proxy_node import usage
 from proxy_node.app import render_metrics
 from proxy_node.headers import copy_response_headers, request_headers
 from proxy_node.intake import CompletionRequest, RequestRejectedError, parse_completion
@@ -117,6 +120,61 @@ def test_output_counter_reads_a_stream_fed_byte_by_byte() -> None:
     for i in range(len(body)):
         counter.feed(body[i : i + 1])
     assert (counter.problem(), counter.tokens()) == (None, 1)
+
+
+def gzipped_pieces(body: bytes, size: int) -> list[bytes]:
+    packed = gzip.compress(body)
+    return [packed[i : i + size] for i in range(0, len(packed), size)]
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "GZIP", "x-gzip"])
+def test_a_gzip_answer_is_judged_and_counted_decoded(encoding: str) -> None:
+    doc = json.dumps({"choices": [], "usage": {"completion_tokens": 17}}).encode()
+    whole = OutputCounter(stream=False, encoding=encoding)
+    for piece in gzipped_pieces(doc, 7):
+        whole.feed(piece)
+    assert (whole.problem(), whole.tokens()) == (None, 17)
+    events = b"".join(sse({"choices": [{"delta": {"content": f"t{i}"}}]}) for i in range(3))
+    stream = OutputCounter(stream=True, encoding=encoding)
+    for piece in gzipped_pieces(events + b"data: [DONE]\n\n", 5):
+        stream.feed(piece)
+    assert (stream.problem(), stream.tokens()) == (None, 3)
+    cut = OutputCounter(stream=True, encoding=encoding)
+    for piece in gzipped_pieces(events, 5):
+        cut.feed(piece)
+    assert cut.problem() == "truncated_stream"  # decoded, the stream still lacks [DONE]
+
+
+def test_a_deflate_answer_is_judged_decoded() -> None:
+    doc = json.dumps({"choices": [], "usage": {"completion_tokens": 5}}).encode()
+    counter = OutputCounter(stream=False, encoding="deflate")
+    counter.feed(zlib.compress(doc))
+    assert (counter.problem(), counter.tokens()) == (None, 5)
+
+
+@pytest.mark.parametrize(
+    ("encoding", "body"),
+    [
+        ("br", b"\x1b\x00\xf8"),  # not read here: passed through
+        ("gzip", b"not gzip at all"),  # the client will see it; not judged here
+        ("deflate", zlib.compress(b"x")[2:]),  # raw deflate, which zlib headers reject
+    ],
+)
+def test_an_answer_the_node_cannot_decode_is_not_judged(encoding: str, body: bytes) -> None:
+    counter = OutputCounter(stream=True, encoding=encoding)
+    counter.feed(body)
+    assert (counter.problem(), counter.tokens()) == (None, None)
+
+
+def test_a_compressed_answer_is_looked_into_only_up_to_a_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(usage, "DECODED_BYTES", 1000)
+    counter = OutputCounter(stream=True, encoding="gzip")
+    for piece in gzipped_pieces(b"data: x\n\n" * 100_000, 64):  # 900 KB in 2 KB
+        counter.feed(piece)
+        assert len(counter.tail) <= 1001
+    assert (counter.overflow, counter.problem(), counter.tokens()) == (True, None, None)
 
 
 def test_parse_completion_keeps_the_model_and_the_cap() -> None:
