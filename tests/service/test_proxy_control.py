@@ -444,6 +444,30 @@ def test_engine_metric_parsing() -> None:
     assert parse_engine_metrics("") == {}
 
 
+def test_engine_metric_parsing_reads_only_the_hint_families() -> None:
+    """A large exposition is parsed in its hint lines alone: a histogram-heavy body, a
+    line the Prometheus parser refuses elsewhere, and a longer name sharing a hint's
+    prefix change nothing."""
+    histogram = "".join(
+        f'vllm:e2e_seconds_bucket{{le="{2**k}",model_name="m"}} {k}\n' for k in range(30)
+    )
+    text = (
+        "# HELP vllm:e2e_seconds e2e\n# TYPE vllm:e2e_seconds histogram\n"
+        + histogram
+        + "# HELP vllm:num_requests_running Number of requests running.\r\n"
+        + "# TYPE vllm:num_requests_running gauge\r\n"
+        + 'vllm:num_requests_running{engine="0",model_name="m"} 4.0\r\n'
+        + 'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        + "vllm:num_requests_running_peak 100\n"
+        + "vllm:num_requests_waiting 1\n"
+    )
+    assert parse_engine_metrics(text) == {"engine_running": 6.0, "engine_waiting": 1.0}
+    assert parse_engine_metrics("this line is { not prometheus\n" + text) == {
+        "engine_running": 6.0,
+        "engine_waiting": 1.0,
+    }
+
+
 def test_rendezvous_gives_each_instance_one_owner_and_moves_little() -> None:
     nodes = ["node-a", "node-b", "node-c"]
     instances = [f"i{k}" for k in range(300)]
