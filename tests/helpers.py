@@ -6,10 +6,11 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from coordinator import Coordinator, InstanceSpec, Settings
 from coordinator.invariants import pool_problems
@@ -141,3 +142,15 @@ async def register_stale_instance(redis_url: str, pool: str, instance_id: str) -
         await c.redis.zrem(c.keys.column("nodes"), "setup")  # leave no lease behind
     finally:
         await c.close()
+
+
+@contextlib.asynccontextmanager
+async def served(app: web.Application) -> AsyncIterator[str]:
+    """`app` served on a free loopback port while the block runs: its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

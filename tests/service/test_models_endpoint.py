@@ -15,6 +15,7 @@ from coordinator import InstanceSpec
 from proxy_node import app as node_app
 from proxy_node import static
 from tests.fake_engine import Harness
+from tests.helpers import served
 
 ENGINES = 40
 
@@ -97,14 +98,8 @@ async def engine_url() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_get("/{case}/v1/models", models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with served(app) as url:
+        yield url
 
 
 async def test_an_engines_list_keeps_entries_with_a_string_id(engine_url: str) -> None:

@@ -30,7 +30,7 @@ from proxy_node.config import NodeConfig, instance_id_for
 from proxy_node.hints import live_node_ids, parse_engine_metrics, rendezvous_owner
 from proxy_node.views import instance_loads_view
 from tests.fake_engine import Harness, NodeServer, settled
-from tests.helpers import counters, private_server, wait_for
+from tests.helpers import counters, private_server, served, wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -379,24 +379,15 @@ async def test_a_scrape_round_keeps_a_bounded_number_of_engines_in_flight(
 
     app = web.Application()
     app.router.add_get("/metrics", scrape)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        port = runner.addresses[0][1]
+    async with served(app) as url:
         coordinator = await harness.coordinator()
         for i in range(150):
-            await coordinator.register_instance(
-                InstanceSpec(id=f"e{i:03d}", url=f"http://127.0.0.1:{port}")
-            )
+            await coordinator.register_instance(InstanceSpec(id=f"e{i:03d}", url=url))
         stored = await hints.scrape_once(coordinator, harness.http, 10.0)
         assert most[0] == hints.MAX_CONCURRENT_SCRAPES < 150
         assert stored == 150
         await coordinator.refresh(live=True)
         assert {row.engine_running for row in (await coordinator.snapshot()).rows} == {3.0}
-    finally:
-        await runner.cleanup()
 
 
 async def test_scrape_owners_are_hashed_once_per_set_of_nodes(
