@@ -9,6 +9,7 @@ from typing import Any
 USAGE_TAIL_BYTES = 16 * 1024  # stream tail kept to find the final `usage` chunk
 KEEP_JSON_BYTES = 1024 * 1024  # non-streaming bodies up to this size are parsed for usage
 DATA, DONE = b"data:", b"[DONE]"  # an SSE event's field, and the stream's last event
+TAIL_LINES = 8  # lines at a stream's end looked at for its last events
 DECODED_BYTES = 16 * 1024 * 1024  # a compressed answer is looked into up to this size
 # Content-Encodings looked through (zlib reads gzip and zlib-wrapped deflate); the
 # node passes any other through unjudged, as it does an answer past DECODED_BYTES.
@@ -70,16 +71,24 @@ class OutputCounter:
                 self.body.clear()
 
     def problem(self) -> str | None:
-        """Why a 2xx answer looks broken, or None: a stream whose last event is not
-        `[DONE]` (cut or empty), or a non-streaming body that is not JSON (passive
-        health). The last event, not any: a model's text may say `[DONE]` too."""
+        """Why a 2xx answer looks broken, or None (passive health): a stream whose last
+        event is not `[DONE]` (cut or empty; the last event, not any: a model's text
+        may say `[DONE]` too), or whose event before it is an error (an engine that
+        failed mid-generation, as vLLM and SGLang report it); a non-streaming body that
+        is not JSON."""
         if self.overflow:
             return None
         if self.stream:
-            last = self.tail.rstrip().rpartition(b"\n")[2]
-            if last.startswith(DATA) and last[len(DATA) :].strip() == DONE:
-                return None
-            return "truncated_stream" if self.events else "empty_stream"
+            events = [
+                line[len(DATA) :].strip()
+                for line in self.tail.rstrip().rsplit(b"\n", TAIL_LINES)[-TAIL_LINES:]
+                if line.startswith(DATA)
+            ]
+            if not events or events[-1] != DONE:
+                return "truncated_stream" if self.events else "empty_stream"
+            if len(events) > 1 and _is_error(events[-2]):
+                return "error_event"
+            return None
         try:
             json.loads(self.body)
         except (ValueError, RecursionError):
@@ -99,6 +108,20 @@ class OutputCounter:
                         return usage
             return max(0, self.events - self.done_events) or None
         return _completion_tokens(bytes(self.body))
+
+
+def _is_error(raw: bytes) -> bool:
+    """Whether an event's data is an error object: {"error": ...} (OpenAI, SGLang,
+    recent vLLM) or {"object": "error", ...} (earlier vLLM)."""
+    if not raw.startswith(b"{") or b"error" not in raw:
+        return False  # most events: no parse
+    try:
+        doc: Any = json.loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and (
+        doc.get("error") not in (None, "", {}) or doc.get("object") == "error"
+    )
 
 
 def _completion_tokens(raw: bytes) -> int | None:

@@ -40,6 +40,7 @@ class FakeEngine:
     raw_body: bytes | None = None  # answer 200 with exactly these bytes (b"": empty body)
     omit_done: bool = False  # end a stream cleanly but without its final chunk and [DONE]
     compress: bool = False  # compress answers as the request's Accept-Encoding allows
+    error_event: bytes | None = None  # a stream's last event before [DONE] (vLLM's error)
     gate_after: int | None = None  # chunks sent before waiting for `gate` (None: no gate)
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     model: str = "fake-model"
@@ -152,7 +153,10 @@ class FakeEngine:
         if self.omit_done:
             await response.write_eof()
             return response
-        await response.write(_sse(self._chunk(chat, None)))
+        if self.error_event is not None:
+            await response.write(b"data: " + self.error_event + b"\n\n")
+        else:
+            await response.write(_sse(self._chunk(chat, None)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         self.completed += 1

@@ -219,6 +219,25 @@ async def test_a_compressed_answer_is_no_failure(
     assert engine.completed == 3
 
 
+async def test_an_engine_that_fails_mid_stream_is_ejected(harness: Harness) -> None:
+    """vLLM reports a failure during generation as a 200 stream ending in an error event
+    and [DONE]: each is a failure, and two in a row eject the engine."""
+    error = b'{"error": {"message": "CUDA error: an illegal memory access", "code": 500}}'
+    failing, good = await harness.engine(error_event=error), await harness.engine()
+    node = await harness.node(**EJECT)
+    await register(node, failing, good)
+    for _ in range(20):
+        status, instance, answer = await chat(harness, node, STREAM)
+        assert status == 200  # bytes had reached the client: no retry
+        assert (error in answer) == (instance == "e0")
+        if await in_redis_ejected(node, "e0"):
+            break
+    assert await in_redis_ejected(node, "e0")
+    assert (await node.coordinator.read_outliers()).state("e0").reason == "error_event"
+    for _ in range(4):
+        assert (await chat(harness, node, STREAM))[:2] == (200, "e1")
+
+
 async def test_ejection_can_be_turned_off(harness: Harness) -> None:
     bad, good = await harness.engine(status=500), await harness.engine()
     node = await harness.node(eject_consecutive_failures=0, eject_failure_percent=0.0)

@@ -114,6 +114,32 @@ def test_a_stream_is_whole_only_when_its_last_event_is_done() -> None:
     assert OutputCounter(stream=True).problem() == "empty_stream"
 
 
+@pytest.mark.parametrize(
+    ("last", "problem"),
+    [
+        (
+            b'{"error": {"message": "CUDA error", "type": "InternalServerError", "code": 500}}',
+            "error_event",
+        ),
+        (
+            b'{"object": "error", "message": "boom", "type": "BadRequestError", "code": 400}',
+            "error_event",
+        ),
+        (b'{"choices": [], "usage": {"completion_tokens": 1}}', None),
+        (b'{"choices": [{"delta": {"content": "an error"}}], "error": null}', None),
+        (b'{"choices": [{"delta": {"content": "{\\"error\\": 1}"}}]}', None),
+    ],
+    ids=["error", "vllm-object-error", "usage", "null-error", "text-says-error"],
+)
+def test_an_error_event_before_done_is_a_failure(last: bytes, problem: str | None) -> None:
+    """An engine that failed mid-generation answers 200, an error event and [DONE]
+    (vLLM, SGLang): the client gets no completion, so the engine is at fault."""
+    counter = OutputCounter(stream=True)
+    counter.feed(sse({"choices": [{"delta": {"content": "t0"}}]}))
+    counter.feed(b"data: " + last + b"\n\ndata: [DONE]\n\n")
+    assert counter.problem() == problem
+
+
 def test_output_counter_reads_a_stream_fed_byte_by_byte() -> None:
     body = sse({"choices": [{"delta": {"content": "x"}}]}) + b"data: [DONE]\n\n"
     counter = OutputCounter(stream=True)
