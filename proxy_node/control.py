@@ -33,6 +33,7 @@ from coordinator.snapshot import Snapshot
 from coordinator.strategies import Ranking
 from proxy_node.config import instance_id_for
 from proxy_node.errors import Handler, json_error
+from proxy_node.scrape import SharedRenders
 from proxy_node.state import CONFIG, COORDINATOR, HEALTH, SERVICE_APP
 from proxy_node.views import instance_loads_view, selection_exclusions, shown_rows
 
@@ -65,8 +66,12 @@ def require_token(token: str | None) -> Any:
     return middleware
 
 
+LOAD_VIEWS = web.AppKey("load_views", SharedRenders)  # /debug/instance_loads renders
+
+
 def add_routes(app: web.Application) -> None:
     """Register the control-plane routes on an app."""
+    app[LOAD_VIEWS] = SharedRenders()
     app.router.add_post("/v1/instances", register)
     app.router.add_get("/v1/instances", list_instances)
     app.router.add_post("/v1/instances/{instance_id}/heartbeat", heartbeat)
@@ -326,7 +331,9 @@ async def instance_loads(request: web.Request) -> web.Response:
     repeat) shows only those. The ranking is a preview (it advances no rotation, so
     reading the view never steers routing), and the ranking and the JSON are built in
     a worker thread: at 10,000 instances they take the CPU for about half a second,
-    which the event loop must spend serving requests.
+    which the event loop must spend serving requests. Requests for the same query
+    share renders, one at a time (proxy_node/scrape.py): each gets one that started
+    after it came.
     """
     coordinator = _coordinator(request)
     strategy = request.query.get("strategy", coordinator.settings.strategy)
@@ -336,8 +343,25 @@ async def instance_loads(request: web.Request) -> web.Response:
     if limit is None:
         return _invalid_limit(MAX_INSTANCES_LIMIT)
     ids = frozenset(request.query.getall("instance", ()))
+    service = request.app[SERVICE_APP]
+
+    async def view() -> bytes:
+        return await _instance_loads_body(service, coordinator, strategy, limit, ids)
+
+    body = await request.app[LOAD_VIEWS].get((strategy, limit, ids), view)
+    return web.Response(body=body, content_type="application/json")
+
+
+async def _instance_loads_body(
+    service: web.Application,
+    coordinator: Coordinator,
+    strategy: str,
+    limit: int,
+    ids: frozenset[str],
+) -> bytes:
+    """/debug/instance_loads' JSON for one query, from a pool read now."""
     snapshot = await coordinator.snapshot()
-    outliers = await request.app[SERVICE_APP][HEALTH].refresh()
+    outliers = await service[HEALTH].refresh()
     exclude = selection_exclusions(snapshot, outliers)
 
     def select() -> tuple[Ranking, list[InstanceLoad], bool]:
@@ -362,7 +386,7 @@ async def instance_loads(request: web.Request) -> web.Response:
         )
         return json.dumps(view).encode()
 
-    return web.Response(body=await asyncio.to_thread(render), content_type="application/json")
+    return await asyncio.to_thread(render)
 
 
 async def _index_tokens(

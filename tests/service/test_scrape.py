@@ -5,12 +5,13 @@ costs a bounded number of pool reads and renders."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 
 from coordinator import InstanceSpec
 from coordinator.snapshot import Snapshot
-from proxy_node.scrape import SharedRender, pause_after
+from proxy_node.scrape import SharedRender, SharedRenders, pause_after
 from proxy_node.state import SCRAPES
 from tests.fake_engine import Harness
 
@@ -151,3 +152,66 @@ async def test_a_flood_of_scrapes_reads_the_pool_a_bounded_number_of_times(
     # 40 scrapes at once: the first render, and one for all that came during it.
     assert 1 <= renders <= 2
     assert reads == renders
+
+
+# ---------------------------------------------------------------- per-query views
+
+
+async def test_a_views_queries_share_renders_of_their_own_one_at_a_time() -> None:
+    views = SharedRenders(size=2)
+    running, most, calls = 0, 0, []
+    gate = asyncio.Event()
+
+    def render_of(key: str) -> Callable[[], Awaitable[bytes]]:
+        async def render() -> bytes:
+            nonlocal running, most
+            calls.append(key)
+            running += 1
+            most = max(most, running)
+            await gate.wait()
+            running -= 1
+            return key.encode()
+
+        return render
+
+    asked = [asyncio.create_task(views.get(key, render_of(key))) for key in "aabba"]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert calls == ["a"]  # b's render waits for a's to end
+    gate.set()
+    assert await asyncio.gather(*asked) == [b"a", b"a", b"b", b"b", b"a"]
+    # The second and fifth came during a's first render: they share its next one.
+    assert calls == ["a", "b", "a", "b"] and most == 1
+    # Two queries kept: asking a third forgets the one asked least recently (b).
+    await views.get("c", render_of("c"))
+    assert ("a" in views, "b" in views, "c" in views, len(views)) == (True, False, True, 2)
+
+
+async def test_a_flood_of_a_debug_view_reads_the_pool_a_bounded_number_of_times(
+    harness: Harness,
+) -> None:
+    engine = await harness.engine()
+    node = await harness.node()
+    for i in range(3):
+        await node.coordinator.register_instance(InstanceSpec(id=f"e{i}", url=engine.url))
+    reads = 0
+    snapshot = node.coordinator.snapshot
+
+    async def counted() -> Snapshot:
+        nonlocal reads
+        reads += 1
+        return await snapshot()
+
+    node.coordinator.snapshot = counted  # type: ignore[method-assign]
+
+    async def view(query: str) -> list[str]:
+        async with harness.http.get(node.control_url + "/debug/instance_loads" + query) as resp:
+            assert resp.status == 200
+            return [row["id"] for row in (await resp.json())["instances"]]
+
+    shown = await asyncio.gather(*(view("") for _ in range(30)))
+    assert all(sorted(ids) == ["e0", "e1", "e2"] for ids in shown)
+    assert 1 <= reads <= 2  # the first render, and one for all that came during it
+    reads = 0
+    assert len(await view("?limit=1")) == 1  # a query of its own: its own render
+    assert reads == 1
