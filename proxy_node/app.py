@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -83,7 +84,7 @@ def create_app(config: NodeConfig, coordinator: Coordinator | None = None) -> we
     app.cleanup_ctx.append(_static_instances_ctx)
     app.cleanup_ctx.append(_hint_scraper_ctx)
     app.cleanup_ctx.append(_passive_health_ctx)
-    app.cleanup_ctx.append(_scrape_ctx)
+    app[SCRAPES] = SharedRender(partial(_metrics_body, app))  # /metrics renders, shared
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
@@ -189,20 +190,17 @@ async def _passive_health_ctx(app: web.Application) -> AsyncIterator[None]:
     await stop_task(task)
 
 
-async def _scrape_ctx(app: web.Application) -> AsyncIterator[None]:
-    async def render() -> bytes:
-        coordinator = app[COORDINATOR]
-        snap = await coordinator.snapshot()
-        outliers = await app[HEALTH].refresh()
-        # Scoring and writing out every instance's series takes the CPU for 60 ms at
-        # 1,000 instances, 0.75 s at 10,000: in a thread, so that the event loop goes on
-        # serving requests and reading Redis replies within their timeout meanwhile.
-        return await asyncio.to_thread(
-            render_metrics, app[METRICS], snap, outliers, coordinator.settings.weights
-        )
-
-    app[SCRAPES] = SharedRender(render)
-    yield
+async def _metrics_body(app: web.Application) -> bytes:
+    """One /metrics render: the pool read now, scored and written out."""
+    coordinator = app[COORDINATOR]
+    snap = await coordinator.snapshot()
+    outliers = await app[HEALTH].refresh()
+    # Scoring and writing out every instance's series takes the CPU for 60 ms at 1,000
+    # instances, 0.75 s at 10,000: in a thread, so that the event loop goes on serving
+    # requests and reading Redis replies within their timeout meanwhile.
+    return await asyncio.to_thread(
+        render_metrics, app[METRICS], snap, outliers, coordinator.settings.weights
+    )
 
 
 # ---------------------------------------------------------------------- handlers
