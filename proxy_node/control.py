@@ -12,6 +12,7 @@ import json
 import logging
 from collections.abc import Sequence
 from contextlib import suppress
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -343,11 +344,9 @@ async def instance_loads(request: web.Request) -> web.Response:
     if limit is None:
         return _invalid_limit(MAX_INSTANCES_LIMIT)
     ids = frozenset(request.query.getall("instance", ()))
-    service = request.app[SERVICE_APP]
-
-    async def view() -> bytes:
-        return await _instance_loads_body(service, coordinator, strategy, limit, ids)
-
+    view = partial(
+        _instance_loads_body, request.app[SERVICE_APP], coordinator, strategy, limit, ids
+    )
     body = await request.app[LOAD_VIEWS].get((strategy, limit, ids), view)
     return web.Response(body=body, content_type="application/json")
 
